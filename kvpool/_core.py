@@ -1,0 +1,37 @@
+"""The only module that imports the native extension.
+
+It turns the native core's status tuples into the :mod:`kvpool.errors`
+hierarchy so that no other module sees raw codes.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+from . import _native
+from .errors import BackendError, InvalidBlocks, KVPoolError, PoolClosed, PoolExhausted
+
+native = _native
+
+CODE_OK: int = _native.CODE_OK
+CODE_SHORTAGE: int = _native.CODE_SHORTAGE
+CODE_INVALID: int = _native.CODE_INVALID
+CODE_BACKEND: int = _native.CODE_BACKEND
+CODE_CLOSED: int = _native.CODE_CLOSED
+
+
+def raise_status(code: int, message: str, *, requested: int = 0, available: int = 0,
+                 bad_ids: list[int] | None = None) -> NoReturn:
+    """Raise the kvpool error for a native failure code."""
+    if code == CODE_SHORTAGE:
+        # The plain shortage message only repeats the numbers; keep real causes
+        # (an ENOSPC from the backend, an injected fault).
+        detail = "" if message.startswith("requested ") else message
+        raise PoolExhausted(requested, available, detail)
+    if code == CODE_INVALID:
+        raise InvalidBlocks(message, bad_ids or [])
+    if code == CODE_CLOSED:
+        raise PoolClosed(message)
+    if code == CODE_BACKEND:
+        raise BackendError(message)
+    raise KVPoolError(f"unexpected native status {code}: {message}")

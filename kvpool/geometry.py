@@ -1,0 +1,208 @@
+"""KV-space geometry: one formula for pages and blocks (DESIGN.md, "Geometry").
+
+A space has ``R`` regions (``num_layers * num_kv_buffers`` for the per-layer
+layout, one for the contiguous layout). Page ``p`` is ``page_bytes`` at the
+same offset of every region; committing it costs ``R * page_bytes``::
+
+    region r:  |<----- page 0 ----->|<----- page 1 ----->|
+    blocks:    | b0  | b1  |  b2 (straddles: never used) | b3 ...
+
+Page ``p`` holds blocks ``[ceil(p*P/B), floor((p+1)*P/B))`` clipped to
+``[0, num_blocks)``. The ranges come from the native core, so Python figures
+and the allocator can never disagree.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Literal
+
+from . import _core
+from .errors import GeometryError
+
+__all__ = ["MiB", "Geometry"]
+
+MiB = 1 << 20
+Layout = Literal["per_layer", "contiguous"]
+
+
+def _fmt(n: int) -> str:
+    if n >= MiB and n % MiB == 0:
+        return f"{n // MiB} MiB"
+    if n >= 1024 and n % 1024 == 0:
+        return f"{n // 1024} KiB"
+    return f"{n} B"
+
+
+def _check_int(name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GeometryError(f"{name} must be an int, got {value!r}")
+    if value <= 0:
+        raise GeometryError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Shape of one KV space.
+
+    Args:
+        num_layers: attention layers sharing the space.
+        num_kv_buffers: buffers per layer (2 for K and V, 1 for MLA).
+        block_bytes: bytes of one block in one buffer of one layer.
+        num_blocks: blocks the engine addresses; ``None`` derives it from
+            ``memory_bytes``.
+        page_bytes: commit granularity per region (default 2 MiB).
+        layout: ``"per_layer"`` (one region per layer and buffer) or
+            ``"contiguous"`` (all layers of a block adjacent, one region).
+        memory_bytes: physical budget used when ``num_blocks`` is ``None``.
+        granularity: the backend's smallest page step (CPU: the base page).
+    """
+
+    num_layers: int
+    num_kv_buffers: int
+    block_bytes: int
+    num_blocks: int | None
+    page_bytes: int = 2 * MiB
+    layout: Layout = "per_layer"
+    memory_bytes: int | None = field(default=None, compare=False)
+    granularity: int = field(default_factory=lambda: os.sysconf("SC_PAGE_SIZE"), compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_buffers", "block_bytes", "page_bytes", "granularity"):
+            _check_int(name, getattr(self, name))
+        _check_int("num_blocks", self.num_blocks, allow_none=True)
+        _check_int("memory_bytes", self.memory_bytes, allow_none=True)
+        if self.layout not in ("per_layer", "contiguous"):
+            raise GeometryError(f"layout must be 'per_layer' or 'contiguous', got {self.layout!r}")
+        g, P, B = self.granularity, self.page_bytes, self.region_block_bytes
+        if P % g:
+            fix = math.ceil(P / g) * g
+            raise GeometryError(
+                f"page_bytes ({P}) is not a multiple of the backend granularity ({g}); "
+                f"use page_bytes={fix} ({_fmt(fix)})"
+            )
+        if B > P:
+            fix = math.ceil(B / g) * g
+            what = "block_bytes" if self.layout == "per_layer" else (
+                f"a contiguous block (block_bytes {self.block_bytes} x {self.num_layers} layers "
+                f"x {self.num_kv_buffers} buffers)"
+            )
+            raise GeometryError(
+                f"{what} = {B} is larger than page_bytes ({P}); the smallest page size that fits "
+                f"is page_bytes={fix} ({_fmt(fix)})"
+            )
+        if self.num_blocks is None:
+            if self.memory_bytes is None:
+                raise GeometryError("num_blocks=None needs memory_bytes to derive the capacity from")
+            pages = self.memory_bytes // self.page_commit_bytes
+            if pages == 0:
+                raise GeometryError(
+                    f"memory_bytes ({self.memory_bytes}) is less than one page commit "
+                    f"({self.page_commit_bytes} = {self.num_regions} regions x {P}); "
+                    f"use memory_bytes >= {self.page_commit_bytes}"
+                )
+            object.__setattr__(self, "num_blocks", (pages * P) // B)
+        if self.capacity == 0:
+            raise GeometryError(
+                f"no block of {B} bytes fits whole in a {P}-byte page with num_blocks="
+                f"{self.num_blocks}; raise num_blocks or page_bytes"
+            )
+
+    # -- sizes --------------------------------------------------------------
+    @property
+    def num_regions(self) -> int:
+        """Virtual regions of the space (R)."""
+        return self.num_layers * self.num_kv_buffers if self.layout == "per_layer" else 1
+
+    @property
+    def region_block_bytes(self) -> int:
+        """Bytes of one block inside one region (``B`` in the formula)."""
+        if self.layout == "per_layer":
+            return self.block_bytes
+        return self.block_bytes * self.num_layers * self.num_kv_buffers
+
+    @property
+    def blocks(self) -> int:
+        """``num_blocks`` as an int (always set after construction)."""
+        assert self.num_blocks is not None
+        return self.num_blocks
+
+    @cached_property
+    def _ranges(self) -> tuple[Any, Any]:
+        return _core.native.page_ranges(self.page_bytes, self.region_block_bytes, self.blocks)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._ranges[0])
+
+    @property
+    def region_bytes(self) -> int:
+        """Virtual bytes reserved per region (whole pages)."""
+        return self.num_pages * self.page_bytes
+
+    @property
+    def page_commit_bytes(self) -> int:
+        """Physical bytes committed per page: ``R * page_bytes``."""
+        return self.num_regions * self.page_bytes
+
+    @cached_property
+    def capacity(self) -> int:
+        """Blocks that can really be allocated (straddling blocks excluded)."""
+        first, last = self._ranges
+        return int((last - first).sum())
+
+    def block_range(self, page: int) -> range:
+        """Block ids held by ``page``."""
+        if not 0 <= page < self.num_pages:
+            raise IndexError(f"page {page} out of range [0, {self.num_pages})")
+        first, last = self._ranges
+        return range(int(first[page]), int(last[page]))
+
+    def page_of(self, block: int) -> int | None:
+        """Page of ``block``, or ``None`` for a straddling block."""
+        if not 0 <= block < self.blocks:
+            raise IndexError(f"block {block} out of range [0, {self.blocks})")
+        B, P = self.region_block_bytes, self.page_bytes
+        page = block * B // P
+        return page if block * B + B <= (page + 1) * P else None
+
+    def usable(self, block: int) -> bool:
+        """Whether ``block`` lies whole inside a page (can be handed out)."""
+        return self.page_of(block) is not None
+
+    # -- checks against existing tensors --------------------------------------
+    def check_tensors(self, tensors: Sequence[Any]) -> None:
+        """Check KV tensors created before the space against this geometry.
+
+        ``tensors`` has one entry per layer: either one tensor whose first
+        dimension is ``num_kv_buffers`` or a sequence of ``num_kv_buffers``
+        tensors. Raises :class:`GeometryError` on any mismatch.
+        """
+        if len(tensors) != self.num_layers:
+            raise GeometryError(
+                f"tensors have {len(tensors)} layers but the geometry has num_layers={self.num_layers}"
+            )
+        for i, layer in enumerate(tensors):
+            if hasattr(layer, "shape"):
+                bufs = int(layer.shape[0]) if layer.dim() > 0 else 0
+                per_buf = layer.numel() * layer.element_size() // max(bufs, 1)
+            else:
+                bufs = len(layer)
+                per_buf = min(t.numel() * t.element_size() for t in layer) if bufs else 0
+            if bufs != self.num_kv_buffers:
+                raise GeometryError(
+                    f"layer {i} has {bufs} KV buffers but the geometry has "
+                    f"num_kv_buffers={self.num_kv_buffers}"
+                )
+            held = per_buf // self.block_bytes
+            if held < self.blocks:
+                raise GeometryError(
+                    f"tensors of layer {i} hold {held} blocks of {self.block_bytes} bytes but "
+                    f"num_blocks={self.blocks}; use num_blocks<={held} or larger tensors"
+                )

@@ -1,0 +1,309 @@
+"""KVSpace: one engine's KV cache over the native core, synchronous.
+
+This is the thin wrapper of the foundation: every method is one native call
+(never one per block). The asyncio manager builds on it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from . import _core
+from .errors import GeometryError, InvalidBlocks, PoolClosed
+from .geometry import Geometry
+
+__all__ = ["KVSpace", "PageInfo", "SpaceStats"]
+
+BlockIds = npt.NDArray[np.int64]
+PageStateName = Literal["free", "committing", "reserve", "active", "releasing"]
+_STATE_NAMES: tuple[PageStateName, ...] = ("free", "committing", "reserve", "active", "releasing")
+_FAULT_KINDS = {"commit": 0, "release": 1}
+
+
+@dataclass(frozen=True)
+class SpaceStats:
+    """A consistent snapshot of one space (taken under its lock)."""
+
+    num_blocks: int
+    capacity: int
+    num_pages: int
+    used_blocks: int
+    available: int
+    pages_free: int
+    pages_committing: int
+    pages_reserve: int
+    pages_active: int
+    pages_releasing: int
+    committed_bytes: int
+    page_commit_bytes: int
+    limit_pages: int
+    allocs: int
+    frees: int
+    shortages: int
+    commits: int
+    releases: int
+    inline_commits: int
+    inline_releases: int
+    commit_failures: int
+    release_failures: int
+    last_error: str
+
+
+@dataclass(frozen=True)
+class PageInfo:
+    page: int
+    state: PageStateName
+    used: int
+    capacity: int
+
+
+def _as_ids(blocks: Any) -> BlockIds:
+    """Validate the container of a free batch; ids themselves are checked natively."""
+    if isinstance(blocks, torch.Tensor):
+        blocks = blocks.detach().cpu().numpy()
+    arr = np.asarray(blocks) if not isinstance(blocks, np.ndarray) else blocks
+    if arr.ndim != 1:
+        raise InvalidBlocks(f"block ids must be a 1-D sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise InvalidBlocks(f"block ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize >= 8 and int(arr.max()) > np.iinfo(np.int64).max:
+        bad = [int(x) for x in arr if int(x) > np.iinfo(np.int64).max]
+        raise InvalidBlocks(f"block ids {bad[:8]} are out of range", bad)
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+class KVSpace:
+    """Reserve virtual KV regions for ``geometry``; commit pages as blocks are used.
+
+    Args:
+        geometry: the space's shape.
+        device: ``"cpu"`` (memfd backend).
+        null_block: hold block 0 from the start and never hand it out.
+        reserve: ``(min, max)`` idle committed pages kept ready.
+        reserve_thread: run the background thread that keeps the reserve;
+            without it pages are committed inline and released when they
+            empty beyond ``max``.
+        limit_bytes: cap on committed bytes (``None``: no cap).
+    """
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        *,
+        device: str = "cpu",
+        null_block: bool = False,
+        reserve: tuple[int, int] = (1, 2),
+        reserve_thread: bool = True,
+        limit_bytes: int | None = None,
+    ) -> None:
+        if not isinstance(geometry, Geometry):
+            raise TypeError(f"geometry must be a kvpool.Geometry, got {type(geometry).__name__}")
+        if device != "cpu":
+            raise ValueError(f"device {device!r} is not supported yet; use 'cpu'")
+        gran = int(_core.native.cpu_granularity())
+        if geometry.page_bytes % gran:
+            fix = math.ceil(geometry.page_bytes / gran) * gran
+            raise GeometryError(
+                f"page_bytes ({geometry.page_bytes}) is not a multiple of the {device} backend "
+                f"granularity ({gran}); use page_bytes={fix}"
+            )
+        lo, hi = reserve
+        if lo < 0 or hi < lo:
+            raise ValueError(f"reserve needs 0 <= min <= max, got {reserve}")
+        self.geometry = geometry
+        self.device = device
+        self.null_block = null_block
+        limit_pages = self._limit_pages(limit_bytes)
+        code, msg, space = _core.native.create_space(
+            geometry.num_regions, geometry.page_bytes, geometry.region_block_bytes, geometry.blocks,
+            null_block, lo, hi, reserve_thread, limit_pages, device,
+        )
+        if space is None:
+            _core.raise_status(code, f"cannot create KV space: {msg}")
+        self._space = space
+        self._regions: list[torch.Tensor] | None = None
+
+    def _limit_pages(self, limit_bytes: int | None) -> int:
+        if limit_bytes is None:
+            return -1
+        if limit_bytes < 0:
+            raise ValueError(f"limit_bytes must be >= 0 or None, got {limit_bytes}")
+        return limit_bytes // self.geometry.page_commit_bytes
+
+    # -- allocation ---------------------------------------------------------
+    def alloc(self, n: int) -> BlockIds:
+        """Allocate ``n`` blocks, all or nothing.
+
+        Raises :class:`PoolExhausted` (with ``requested``/``available``) when
+        they are not there; nothing changes then.
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"n must be a non-negative int, got {n!r}")
+        code, ids, available, msg = self._space.alloc(int(n))
+        if code != _core.CODE_OK:
+            _core.raise_status(code, msg, requested=int(n), available=available)
+        return ids  # type: ignore[no-any-return]
+
+    def free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> None:
+        """Free a batch of ids. Any bad id raises :class:`InvalidBlocks` and frees nothing."""
+        ids = _as_ids(blocks)
+        if ids.size == 0:
+            self._check_open()
+            return
+        code, bad, msg = self._space.free(ids)
+        if code != _core.CODE_OK:
+            _core.raise_status(code, msg, bad_ids=list(bad))
+
+    def available(self) -> int:
+        """Blocks a following ``alloc`` can deliver with no other actor in between."""
+        self._check_open()
+        return int(self._space.available())
+
+    def trim(self) -> int:
+        """Release every idle committed page now; returns the number released."""
+        code, released, msg = self._space.trim()
+        if code != _core.CODE_OK:
+            _core.raise_status(code, msg)
+        return int(released)
+
+    def set_limit(self, limit_bytes: int | None) -> None:
+        """Cap committed memory. Growth stops at once; pages go back as they empty."""
+        code, msg = self._space.set_limit_pages(self._limit_pages(limit_bytes))
+        if code != _core.CODE_OK:
+            _core.raise_status(code, msg)
+
+    def set_reserve(self, min_pages: int, max_pages: int) -> None:
+        code, msg = self._space.set_reserve(min_pages, max_pages)
+        if code != _core.CODE_OK:
+            _core.raise_status(code, msg)
+
+    # -- observation --------------------------------------------------------
+    def stats(self) -> SpaceStats:
+        return SpaceStats(**self._space.stats())
+
+    def page_occupancy(self, pages: Sequence[int] | None = None) -> list[PageInfo]:
+        """State and used-block count of ``pages`` (all pages by default)."""
+        g = self.geometry
+        arr = np.arange(g.num_pages, dtype=np.int64) if pages is None else np.asarray(pages, dtype=np.int64)
+        if arr.ndim != 1:
+            raise ValueError(f"page ids must be 1-D, got shape {arr.shape}")
+        code, used, state, msg = self._space.page_occupancy(np.ascontiguousarray(arr))
+        if code != _core.CODE_OK:
+            if code == _core.CODE_INVALID:
+                raise IndexError(msg)
+            _core.raise_status(code, msg)
+        return [
+            PageInfo(int(p), _STATE_NAMES[int(s)], int(u), len(g.block_range(int(p))))
+            for p, u, s in zip(arr, used, state)
+        ]
+
+    def allocated_bytes(self) -> int:
+        """Bytes the backend really holds (CPU: the memfd's ``st_blocks``)."""
+        return int(self._space.allocated_bytes())
+
+    def settle(self, timeout: float = 5.0) -> bool:
+        """Wait until the reserve thread has nothing left to do."""
+        return bool(self._space.settle(timeout))
+
+    @property
+    def wakeup_fd(self) -> int:
+        """An eventfd that turns readable when the reserve thread adds capacity."""
+        self._check_open()
+        return int(self._space.eventfd)
+
+    def drain_wakeups(self) -> int:
+        """Consume pending wake-ups of :attr:`wakeup_fd`; returns their count."""
+        try:
+            return int.from_bytes(os.read(self.wakeup_fd, 8), "little")
+        except BlockingIOError:
+            return 0
+
+    # -- tensors ------------------------------------------------------------
+    def region(self, index: int) -> torch.Tensor:
+        """Region ``index`` as a flat ``uint8`` tensor (zero-copy, DLPack)."""
+        self._check_open()
+        if self._regions is None:
+            self._regions = [
+                torch.from_dlpack(self._space.region(r)) for r in range(self.geometry.num_regions)
+            ]
+        if not 0 <= index < len(self._regions):
+            raise IndexError(f"region {index} out of range [0, {len(self._regions)})")
+        return self._regions[index]
+
+    def view(self, layer: int, buffer: int, dtype: torch.dtype, block_shape: Sequence[int]) -> torch.Tensor:
+        """Layer ``layer``, KV buffer ``buffer`` as ``(num_blocks, *block_shape)`` of ``dtype``.
+
+        Per-layer layout: a contiguous view of that layer's region. Contiguous
+        layout: a strided view into the single region (blocks hold every layer).
+        """
+        g = self.geometry
+        if not 0 <= layer < g.num_layers or not 0 <= buffer < g.num_kv_buffers:
+            raise IndexError(
+                f"(layer {layer}, buffer {buffer}) out of range ({g.num_layers} layers, "
+                f"{g.num_kv_buffers} buffers)"
+            )
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        want = math.prod(block_shape) * itemsize
+        if want != g.block_bytes:
+            raise GeometryError(
+                f"block_shape {tuple(block_shape)} of {dtype} is {want} bytes but the geometry's "
+                f"block_bytes is {g.block_bytes}"
+            )
+        n = g.blocks
+        if g.layout == "per_layer":
+            raw = self.region(layer * g.num_kv_buffers + buffer)[: n * g.block_bytes].view(n, g.block_bytes)
+        else:
+            slot = layer * g.num_kv_buffers + buffer
+            raw = self.region(0)[: n * g.region_block_bytes].view(n, g.num_layers * g.num_kv_buffers, g.block_bytes)
+            raw = raw[:, slot, :]
+        return raw.view(dtype).unflatten(1, tuple(block_shape))
+
+    def tensors(self, dtype: torch.dtype, block_shape: Sequence[int]) -> list[list[torch.Tensor]]:
+        """Every (layer, buffer) view, ``[layer][buffer]``."""
+        g = self.geometry
+        return [[self.view(l, b, dtype, block_shape) for b in range(g.num_kv_buffers)] for l in range(g.num_layers)]
+
+    # -- lifecycle ----------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return bool(self._space.closed)
+
+    def _check_open(self) -> None:
+        if self._space.closed:
+            raise PoolClosed("KV space is closed")
+
+    def close(self) -> None:
+        """Stop the reserve thread and give every committed byte back. Idempotent.
+
+        Views that outlive the space read zeros and fault on write.
+        """
+        self._space.close()
+
+    def __enter__(self) -> KVSpace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _inject_fault(self, kind: Literal["commit", "release"], nth: int, err: int) -> None:
+        """Test-only: fail the ``nth`` next page ``kind`` with errno ``err`` (0 clears)."""
+        self._space.inject_fault(_FAULT_KINDS[kind], nth, err)
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<KVSpace closed>"
+        s = self.stats()
+        return (
+            f"<KVSpace {s.used_blocks}/{s.capacity} blocks used, "
+            f"{s.committed_bytes / (1 << 20):.1f} MiB committed on {self.device}>"
+        )

@@ -1,0 +1,41 @@
+// Physical memory for one KV space. A backend knows regions and pages only:
+// commit(page) makes the page's byte range resident in every region,
+// release(page) gives it back. Both are all-or-nothing per page and report
+// failures as Status values (errno text included), never by aborting.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "status.hpp"
+
+namespace kvpool {
+
+struct BackendConfig {
+    int64_t num_regions;
+    int64_t region_bytes;  // num_pages * page_bytes
+    int64_t page_bytes;
+};
+
+class Backend {
+public:
+    virtual ~Backend() = default;
+    virtual Status commit(int64_t page) = 0;
+    virtual Status release(int64_t page) = 0;
+    // Bytes really allocated behind the space (for audits), or -1 if unknown.
+    virtual int64_t allocated_bytes() const = 0;
+    virtual void* region_base(int64_t region) const = 0;
+    // Give everything back and make the address range inert. Idempotent.
+    virtual void close() = 0;
+    virtual int device_type() const = 0;  // DLPack device type
+    virtual int device_id() const { return 0; }
+};
+
+// Smallest commit granularity the CPU backend accepts (the base page size).
+int64_t cpu_granularity();
+
+// Creates the CPU backend; on failure returns nullptr and fills *status.
+std::unique_ptr<Backend> make_cpu_backend(const BackendConfig& cfg, Status* status);
+
+}  // namespace kvpool

@@ -1,0 +1,247 @@
+// The only file that knows about Python. Every call that can wait (on the
+// space mutex or a syscall) releases the GIL; the native core never calls
+// back into Python. Failures come back as (code, ...) tuples that
+// kvpool/_core.py turns into the kvpool.errors hierarchy.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <memory>
+
+#include "backend.hpp"
+#include "geometry.hpp"
+#include "space.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using kvpool::Code;
+using kvpool::Space;
+using kvpool::Status;
+
+namespace {
+
+using IdArray = nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>;
+using IdInput = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// A fresh int64 numpy array whose buffer the array itself owns.
+IdArray new_id_array(size_t n, int64_t** data) {
+    int64_t* buf = new int64_t[n > 0 ? n : 1];
+    nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<int64_t*>(p); });
+    *data = buf;
+    return IdArray(buf, {n}, owner);
+}
+
+nb::dict stats_dict(const kvpool::SpaceStats& s) {
+    nb::dict d;
+    d["num_blocks"] = s.num_blocks;
+    d["capacity"] = s.capacity;
+    d["num_pages"] = s.num_pages;
+    d["used_blocks"] = s.used_blocks;
+    d["available"] = s.available;
+    d["pages_free"] = s.pages_free;
+    d["pages_committing"] = s.pages_committing;
+    d["pages_reserve"] = s.pages_reserve;
+    d["pages_active"] = s.pages_active;
+    d["pages_releasing"] = s.pages_releasing;
+    d["committed_bytes"] = s.committed_bytes;
+    d["page_commit_bytes"] = s.page_commit_bytes;
+    d["limit_pages"] = s.limit_pages;
+    d["allocs"] = s.allocs;
+    d["frees"] = s.frees;
+    d["shortages"] = s.shortages;
+    d["commits"] = s.commits;
+    d["releases"] = s.releases;
+    d["inline_commits"] = s.inline_commits;
+    d["inline_releases"] = s.inline_releases;
+    d["commit_failures"] = s.commit_failures;
+    d["release_failures"] = s.release_failures;
+    d["last_error"] = s.last_error;
+    return d;
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+    m.doc() = "kvpool native core (private: use the kvpool package)";
+    // Spaces legitimately outlive interpreter shutdown (module globals);
+    // their destructor releases memory, so the shutdown report is noise.
+    nb::set_leak_warnings(false);
+
+    m.attr("CODE_OK") = static_cast<int>(Code::Ok);
+    m.attr("CODE_SHORTAGE") = static_cast<int>(Code::Shortage);
+    m.attr("CODE_INVALID") = static_cast<int>(Code::Invalid);
+    m.attr("CODE_BACKEND") = static_cast<int>(Code::Backend);
+    m.attr("CODE_CLOSED") = static_cast<int>(Code::Closed);
+
+    m.def("cpu_granularity", &kvpool::cpu_granularity, "Smallest page size step of the CPU backend.");
+
+    m.def(
+        "page_ranges",
+        [](int64_t page_bytes, int64_t block_bytes, int64_t num_blocks) {
+            const int64_t np = kvpool::num_pages_for(page_bytes, block_bytes, num_blocks);
+            int64_t *first, *last;
+            IdArray a = new_id_array(static_cast<size_t>(np), &first);
+            IdArray b = new_id_array(static_cast<size_t>(np), &last);
+            for (int64_t p = 0; p < np; ++p) {
+                auto r = kvpool::page_block_range(page_bytes, block_bytes, num_blocks, p);
+                first[p] = r.first;
+                last[p] = r.last;
+            }
+            return nb::make_tuple(a, b);
+        },
+        "page_bytes"_a, "block_bytes"_a, "num_blocks"_a,
+        "Per-page block ranges [first, last) of a geometry (the one formula).");
+
+    nb::class_<Space>(m, "Space")
+        .def(
+            "alloc",
+            [](Space& s, int64_t n) {
+                int64_t* data = nullptr;
+                IdArray ids = new_id_array(static_cast<size_t>(n > 0 ? n : 0), &data);
+                int64_t available = 0;
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.alloc(n, data, &available);
+                }
+                nb::object out = st.is_ok() ? nb::object(nb::cast(ids)) : nb::none();
+                return nb::make_tuple(static_cast<int>(st.code), out, available, st.message);
+            },
+            "n"_a, "All-or-nothing: (code, ids | None, available, message).")
+        .def(
+            "free",
+            [](Space& s, IdInput ids) {
+                std::vector<int64_t> bad;
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.free(ids.data(), static_cast<int64_t>(ids.shape(0)), &bad);
+                }
+                return std::make_tuple(static_cast<int>(st.code), bad, st.message);
+            },
+            "ids"_a, "Validates the whole batch first: (code, bad_ids, message).")
+        .def("available", &Space::available, nb::call_guard<nb::gil_scoped_release>())
+        .def(
+            "trim",
+            [](Space& s) {
+                int64_t released = 0;
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.trim(&released);
+                }
+                return std::make_tuple(static_cast<int>(st.code), released, st.message);
+            },
+            "Release every idle committed page: (code, released, message).")
+        .def(
+            "set_limit_pages",
+            [](Space& s, int64_t limit) {
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.set_limit_pages(limit);
+                }
+                return std::make_tuple(static_cast<int>(st.code), st.message);
+            },
+            "limit_pages"_a)
+        .def(
+            "set_reserve",
+            [](Space& s, int64_t lo, int64_t hi) {
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.set_reserve(lo, hi);
+                }
+                return std::make_tuple(static_cast<int>(st.code), st.message);
+            },
+            "min_pages"_a, "max_pages"_a)
+        .def(
+            "page_occupancy",
+            [](Space& s, IdInput pages) {
+                const size_t n = pages.shape(0);
+                int64_t *used, *state;
+                IdArray u = new_id_array(n, &used);
+                IdArray t = new_id_array(n, &state);
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.page_occupancy(pages.data(), static_cast<int64_t>(n), used, state);
+                }
+                return nb::make_tuple(static_cast<int>(st.code), u, t, st.message);
+            },
+            "pages"_a, "(code, used blocks, page states, message).")
+        .def("stats", [](Space& s) {
+            kvpool::SpaceStats st;
+            {
+                nb::gil_scoped_release nogil;
+                st = s.stats();
+            }
+            return stats_dict(st);
+        })
+        .def("settle", &Space::settle, "timeout_s"_a, nb::call_guard<nb::gil_scoped_release>(),
+             "Wait until the reserve thread is idle; False on timeout.")
+        .def(
+            "inject_fault",
+            [](Space& s, int kind, int64_t nth, int err) {
+                s.inject_fault(static_cast<kvpool::FaultKind>(kind), nth, err);
+            },
+            "kind"_a, "nth"_a, "errno"_a, "Test-only: fail the nth next commit (0) or release (1).")
+        .def("allocated_bytes", &Space::allocated_bytes, nb::call_guard<nb::gil_scoped_release>(),
+             "Bytes the backend really holds (memfd st_blocks on CPU).")
+        .def(
+            "region",
+            [](Space& s, int64_t r) {
+                const auto& cfg = s.config();
+                if (r < 0 || r >= cfg.num_regions) throw nb::index_error("region out of range");
+                const size_t n = static_cast<size_t>(s.num_pages() * cfg.page_bytes);
+                // reference_internal: the array keeps the Space object alive.
+                return nb::ndarray<uint8_t, nb::ndim<1>>(s.region_base(r), {n}, nb::handle(), {},
+                                                         nb::dtype<uint8_t>(), s.device_type(), s.device_id());
+            },
+            "region"_a, nb::rv_policy::reference_internal, "Region memory as a DLPack-capable byte array.")
+        .def_prop_ro("eventfd", &Space::eventfd)
+        .def_prop_ro("num_pages", &Space::num_pages)
+        .def_prop_ro("capacity", &Space::capacity)
+        .def_prop_ro("closed", &Space::closed)
+        .def("close", &Space::close, nb::call_guard<nb::gil_scoped_release>());
+
+    m.def(
+        "create_space",
+        [](int64_t num_regions, int64_t page_bytes, int64_t block_bytes, int64_t num_blocks, bool null_block,
+           int64_t reserve_min, int64_t reserve_max, bool reserve_thread, int64_t limit_pages,
+           const std::string& device) {
+            Status st;
+            std::unique_ptr<Space> space;
+            {
+                nb::gil_scoped_release nogil;
+                kvpool::SpaceConfig cfg;
+                cfg.num_regions = num_regions;
+                cfg.page_bytes = page_bytes;
+                cfg.block_bytes = block_bytes;
+                cfg.num_blocks = num_blocks;
+                cfg.null_block = null_block;
+                cfg.reserve_min = reserve_min;
+                cfg.reserve_max = reserve_max;
+                cfg.reserve_thread = reserve_thread;
+                cfg.limit_pages = limit_pages;
+                kvpool::BackendConfig bc{num_regions, kvpool::num_pages_for(page_bytes, block_bytes, num_blocks) * page_bytes,
+                                         page_bytes};
+                std::unique_ptr<kvpool::Backend> backend;
+                if (device == "cpu") {
+                    backend = kvpool::make_cpu_backend(bc, &st);
+                } else {
+                    st = Status::make(Code::Invalid, "unknown device '" + device + "'");
+                }
+                if (backend) space = Space::create(cfg, std::move(backend), &st);
+            }
+            nb::object obj = space ? nb::cast(std::move(space)) : nb::none();
+            return nb::make_tuple(static_cast<int>(st.code), st.message, obj);
+        },
+        "num_regions"_a, "page_bytes"_a, "block_bytes"_a, "num_blocks"_a, "null_block"_a, "reserve_min"_a,
+        "reserve_max"_a, "reserve_thread"_a, "limit_pages"_a, "device"_a,
+        "Create a KV space: (code, message, Space | None).");
+}

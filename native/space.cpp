@@ -1,0 +1,653 @@
+#include "space.hpp"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <chrono>
+#include <cstring>
+#include <limits>
+
+#include "geometry.hpp"
+
+namespace kvpool {
+namespace {
+constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
+
+std::string fault_text(const char* what, int64_t page, int err) {
+    return std::string(what) + "(page " + std::to_string(page) + "): injected fault: " +
+           std::strerror(err) + " (errno " + std::to_string(err) + ")";
+}
+}  // namespace
+
+Space::Space(const SpaceConfig& cfg, std::unique_ptr<Backend> backend)
+    : cfg_(cfg), backend_(std::move(backend)) {}
+
+std::unique_ptr<Space> Space::create(const SpaceConfig& cfg, std::unique_ptr<Backend> backend,
+                                     Status* status) {
+    if (cfg.page_bytes <= 0 || cfg.block_bytes <= 0 || cfg.num_blocks <= 0 || cfg.num_regions <= 0 ||
+        cfg.block_bytes > cfg.page_bytes || cfg.reserve_min < 0 || cfg.reserve_max < cfg.reserve_min) {
+        *status = Status::make(Code::Invalid, "invalid space configuration");
+        return nullptr;
+    }
+    std::unique_ptr<Space> s(new Space(cfg, std::move(backend)));
+    *status = s->init();
+    if (!status->is_ok()) return nullptr;
+    return s;
+}
+
+Status Space::init() {
+    const int64_t P = cfg_.page_bytes, B = cfg_.block_bytes, N = cfg_.num_blocks;
+    const int64_t np = num_pages_for(P, B, N);
+    if (np > std::numeric_limits<int32_t>::max() || N > std::numeric_limits<int32_t>::max() / 2)
+        return Status::make(Code::Invalid, "space too large");
+    pages_.resize(static_cast<size_t>(np));
+    held_.assign(static_cast<size_t>(N), 0);
+    for (int64_t p = 0; p < np; ++p) {
+        const BlockRange r = page_block_range(P, B, N, p);
+        Page& pg = pages_[p];
+        pg.first = r.first;
+        pg.cap = static_cast<int32_t>(r.size());
+        pg.free_off.reserve(pg.cap);
+        // Stack order: pop yields ascending ids on a fresh page.
+        for (int32_t i = pg.cap - 1; i >= 0; --i) pg.free_off.push_back(i);
+        capacity_ += pg.cap;
+        max_cap_ = std::max(max_cap_, pg.cap);
+    }
+    bucket_head_.assign(static_cast<size_t>(max_cap_) + 1, -1);
+    bucket_bits_.assign(static_cast<size_t>(max_cap_) / 64 + 1, 0);
+    for (int64_t p = np - 1; p >= 0; --p)
+        if (pages_[p].cap > 0) free_push(static_cast<int32_t>(p));
+
+    efd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (efd_ < 0) return Status::make(Code::Backend, std::string("eventfd: ") + std::strerror(errno));
+
+    if (cfg_.null_block) {
+        // Block 0 is held from the start and never handed out; its page is
+        // pinned (committed for the space's lifetime).
+        int64_t id = -1, avail = 0;
+        Status s = alloc(1, &id, &avail);
+        if (!s.is_ok()) return s;
+        std::lock_guard<std::mutex> lk(mu_);
+        pages_[0].pinned = true;
+        used_ -= 1;  // the null block is not a user block
+        counters_.allocs -= 1;
+        if (id != 0) return Status::make(Code::Invalid, "null block is not block 0");
+    }
+    if (cfg_.reserve_thread) thread_ = std::thread([this] { thread_main(); });
+    return Status::ok();
+}
+
+Space::~Space() { close(); }
+
+// ---------------------------------------------------------------- buckets
+// ACTIVE pages with free blocks sit in bucket_head_[nfree] (doubly linked),
+// with a bitmap of non-empty buckets: best-fit is one bit scan, O(cap/64).
+
+void Space::bucket_insert(int32_t p) {
+    Page& pg = pages_[p];
+    const int32_t k = pg.nfree;
+    pg.prev = -1;
+    pg.next = bucket_head_[k];
+    if (pg.next >= 0) pages_[pg.next].prev = p;
+    bucket_head_[k] = p;
+    bucket_bits_[k / 64] |= (uint64_t{1} << (k % 64));
+}
+
+void Space::bucket_remove(int32_t p) {
+    Page& pg = pages_[p];
+    const int32_t k = pg.nfree;
+    if (pg.prev >= 0) pages_[pg.prev].next = pg.next;
+    else bucket_head_[k] = pg.next;
+    if (pg.next >= 0) pages_[pg.next].prev = pg.prev;
+    pg.prev = pg.next = -1;
+    if (bucket_head_[k] < 0) bucket_bits_[k / 64] &= ~(uint64_t{1} << (k % 64));
+}
+
+int32_t Space::bucket_find_ge(int32_t k) const {
+    if (k < 1) k = 1;
+    if (k > max_cap_) return -1;
+    size_t w = static_cast<size_t>(k) / 64;
+    uint64_t bits = bucket_bits_[w] & (~uint64_t{0} << (k % 64));
+    while (true) {
+        if (bits) return static_cast<int32_t>(w * 64 + __builtin_ctzll(bits));
+        if (++w >= bucket_bits_.size()) return -1;
+        bits = bucket_bits_[w];
+    }
+}
+
+int32_t Space::bucket_find_max() const {
+    for (size_t w = bucket_bits_.size(); w-- > 0;) {
+        uint64_t bits = bucket_bits_[w];
+        if (w == 0) bits &= ~uint64_t{1};  // bucket 0 holds nothing
+        if (bits) return static_cast<int32_t>(w * 64 + 63 - __builtin_clzll(bits));
+    }
+    return -1;
+}
+
+void Space::free_push(int32_t p) {
+    const int32_t cap = pages_[p].cap;
+    auto it = std::find_if(free_by_cap_.begin(), free_by_cap_.end(),
+                           [cap](const auto& e) { return e.first <= cap; });
+    if (it == free_by_cap_.end() || it->first != cap) it = free_by_cap_.insert(it, {cap, {}});
+    it->second.push_back(p);
+}
+
+void Space::free_remove(int32_t p) {
+    for (auto it = free_by_cap_.begin(); it != free_by_cap_.end(); ++it) {
+        if (it->first != pages_[p].cap) continue;
+        auto& v = it->second;
+        // Planned pages come from the back of their bucket: search from there.
+        auto pos = std::find(v.rbegin(), v.rend(), p);
+        if (pos != v.rend()) v.erase(pos.base() - 1);
+        if (v.empty()) free_by_cap_.erase(it);  // the thread relies on non-empty buckets
+        return;
+    }
+}
+
+// ------------------------------------------------------------- accounting
+
+int64_t Space::headroom_locked() const {
+    if (cfg_.limit_pages < 0) return kUnlimited;
+    const int64_t committed = n_active_ + n_reserve_ + n_committing_;
+    return std::max<int64_t>(0, cfg_.limit_pages - committed);
+}
+
+// The settled view: in-flight commits count as reserve, in-flight releases as
+// free, so available() never depends on the reserve thread's timing; alloc
+// waits for a transition when it needs the page in flight.
+int64_t Space::available_locked() const {
+    int64_t avail = partial_free_ + reserve_cap_ + committing_cap_;
+    int64_t k = headroom_locked();
+    std::vector<int32_t> rel = releasing_caps_;
+    std::sort(rel.rbegin(), rel.rend());
+    size_t ri = 0;
+    for (const auto& bucket : free_by_cap_) {
+        while (k > 0 && ri < rel.size() && rel[ri] >= bucket.first) { avail += rel[ri++]; --k; }
+        const int64_t take = std::min<int64_t>(k, static_cast<int64_t>(bucket.second.size()));
+        avail += take * bucket.first;
+        k -= take;
+        if (k == 0) break;
+    }
+    while (k > 0 && ri < rel.size()) { avail += rel[ri++]; --k; }
+    return avail;
+}
+
+int64_t Space::available() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return closed_ ? 0 : available_locked();
+}
+
+// -------------------------------------------------------- fault injection
+
+void Space::inject_fault(FaultKind kind, int64_t nth, int err) {
+    std::lock_guard<std::mutex> lk(mu_);
+    fault_nth_[static_cast<int>(kind)] = nth;
+    fault_err_[static_cast<int>(kind)] = err;
+}
+
+int Space::consume_fault_locked(FaultKind kind) {
+    const int k = static_cast<int>(kind);
+    if (fault_nth_[k] <= 0) return 0;
+    if (--fault_nth_[k] == 0) return fault_err_[k];
+    return 0;
+}
+
+Status Space::do_commit(int32_t p, int injected_err) {
+    if (injected_err != 0)
+        return Status::make((injected_err == ENOSPC || injected_err == ENOMEM) ? Code::Shortage : Code::Backend,
+                            fault_text("commit", p, injected_err));
+    return backend_->commit(p);
+}
+
+Status Space::do_release(int32_t p, int injected_err) {
+    if (injected_err != 0) return Status::make(Code::Backend, fault_text("release", p, injected_err));
+    return backend_->release(p);
+}
+
+// ---------------------------------------------------------- state changes
+
+void Space::to_reserve_locked(int32_t p) {
+    Page& pg = pages_[p];
+    pg.state = PageState::Reserve;
+    ++n_reserve_;
+    reserve_cap_ += pg.cap;
+    reserve_.push_back(p);
+}
+
+void Space::activate_locked(int32_t p) {
+    Page& pg = pages_[p];
+    pg.state = PageState::Active;
+    --n_reserve_;
+    ++n_active_;
+    reserve_cap_ -= pg.cap;
+    pg.nfree = pg.cap;
+    partial_free_ += pg.cap;
+    bucket_insert(p);
+}
+
+void Space::take_locked(int32_t p, int64_t k, int64_t*& out) {
+    Page& pg = pages_[p];
+    bucket_remove(p);
+    for (int64_t i = 0; i < k; ++i) {
+        const int64_t id = pg.first + pg.free_off.back();
+        pg.free_off.pop_back();
+        held_[id] = 1;
+        *out++ = id;
+    }
+    pg.nfree -= static_cast<int32_t>(k);
+    partial_free_ -= k;
+    if (pg.nfree > 0) bucket_insert(p);
+}
+
+void Space::return_block_locked(int64_t id) {
+    const int32_t p = static_cast<int32_t>(block_page(cfg_.page_bytes, cfg_.block_bytes, id));
+    Page& pg = pages_[p];
+    held_[id] = 0;
+    if (pg.nfree > 0) bucket_remove(p);
+    pg.free_off.push_back(static_cast<int32_t>(id - pg.first));
+    ++pg.nfree;
+    ++partial_free_;
+    if (pg.nfree == pg.cap && !pg.pinned) {
+        // Page emptied: it becomes idle reserve; the thread (or the inline
+        // path below) decides whether to keep or release it.
+        pg.state = PageState::Reserve;
+        --n_active_;
+        partial_free_ -= pg.cap;
+        ++n_reserve_;
+        reserve_cap_ += pg.cap;
+        reserve_.push_back(p);
+    } else {
+        bucket_insert(p);
+    }
+}
+
+// ------------------------------------------------------------------ alloc
+
+Status Space::alloc(int64_t n, int64_t* out, int64_t* available) {
+    std::unique_lock<std::mutex> lk(mu_);
+    *available = 0;
+    if (closed_) return Status::make(Code::Closed, "space is closed");
+    if (n < 0) return Status::make(Code::Invalid, "alloc: n must be >= 0, got " + std::to_string(n));
+    if (n == 0) return Status::ok();
+
+    std::vector<int32_t> plan;  // FREE pages this call must commit
+    while (true) {
+        plan.clear();
+        const int64_t usable = partial_free_ + reserve_cap_;
+        if (n > usable) {
+            int64_t need = n - usable, k = headroom_locked();
+            for (const auto& bucket : free_by_cap_) {
+                for (size_t i = bucket.second.size(); i-- > 0 && need > 0 && k > 0;) {
+                    plan.push_back(bucket.second[i]);
+                    need -= bucket.first;
+                    --k;
+                }
+                if (need <= 0 || k == 0) break;
+            }
+            if (need > 0) {
+                if (n_committing_ + n_releasing_ > 0 && n <= available_locked()) {
+                    cv_.wait(lk);  // a page we need is in flight: wait for it
+                    if (closed_) return Status::make(Code::Closed, "space is closed");
+                    continue;
+                }
+                ++counters_.shortages;
+                *available = available_locked();
+                return Status::make(Code::Shortage, "requested " + std::to_string(n) + " blocks, " +
+                                                        std::to_string(*available) + " available");
+            }
+        }
+        break;
+    }
+
+    // Commit the planned pages all-or-nothing before touching any structure.
+    for (size_t i = 0; i < plan.size(); ++i) {
+        Status s = do_commit(plan[i], consume_fault_locked(FaultKind::Commit));
+        if (!s.is_ok()) {
+            ++counters_.commit_failures;
+            for (size_t j = 0; j < i; ++j) {
+                Status r = do_release(plan[j], 0);
+                if (!r.is_ok()) {
+                    // Cannot un-commit: keep the page as idle reserve so the
+                    // books still match the memory; report both failures.
+                    ++counters_.release_failures;
+                    s.message += "; rollback of page " + std::to_string(plan[j]) + " failed: " + r.message;
+                    free_remove(plan[j]);
+                    to_reserve_locked(plan[j]);
+                }
+            }
+            counters_.last_error = s.message;
+            if (s.code == Code::Shortage) ++counters_.shortages;
+            *available = partial_free_ + reserve_cap_;
+            return s;
+        }
+    }
+    for (int32_t p : plan) {
+        free_remove(p);
+        to_reserve_locked(p);
+        ++counters_.commits;
+        ++counters_.inline_commits;
+    }
+
+    int64_t remaining = n;
+    int64_t* cursor = out;
+    // 1. Partially used pages, best fit: the smallest page that completes the
+    //    request, else empty the fullest-free page and go on. Filling holes
+    //    first keeps the committed page count low.
+    while (remaining > 0) {
+        int32_t k = bucket_find_ge(static_cast<int32_t>(std::min<int64_t>(remaining, max_cap_ + 1)));
+        if (k >= 0) {
+            take_locked(bucket_head_[k], remaining, cursor);
+            remaining = 0;
+            break;
+        }
+        k = bucket_find_max();
+        if (k < 0) break;
+        take_locked(bucket_head_[k], k, cursor);
+        remaining -= k;
+    }
+    // 2. Idle committed pages (including the ones committed above).
+    while (remaining > 0 && !reserve_.empty()) {
+        const int32_t p = reserve_.back();
+        reserve_.pop_back();
+        activate_locked(p);
+        const int64_t k = std::min<int64_t>(remaining, pages_[p].cap);
+        take_locked(p, k, cursor);
+        remaining -= k;
+    }
+    // The plan guaranteed enough blocks; anything else is a bookkeeping bug.
+    if (remaining != 0) std::abort();
+    used_ += n;
+    ++counters_.allocs;
+    *available = available_locked();
+    if (cfg_.reserve_thread && thread_has_work_locked()) cv_.notify_all();
+    return Status::ok();
+}
+
+// ------------------------------------------------------------------- free
+
+Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad) {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (closed_) return Status::make(Code::Closed, "space is closed");
+    std::string why;
+    std::vector<int64_t> marked;
+    marked.reserve(static_cast<size_t>(n));
+    auto reject = [&](int64_t id, const char* reason) {
+        if (bad->size() < 16) why += (why.empty() ? "" : "; ") + std::to_string(id) + " " + reason;
+        bad->push_back(id);
+    };
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t id = ids[i];
+        if (id < 0 || id >= cfg_.num_blocks) { reject(id, "is out of range"); continue; }
+        if (block_page(cfg_.page_bytes, cfg_.block_bytes, id) < 0) {
+            reject(id, "straddles a page boundary (never allocated)");
+            continue;
+        }
+        if (cfg_.null_block && id == 0) { reject(id, "is the null block"); continue; }
+        if (held_[id] == 2) { reject(id, "is repeated in this batch"); continue; }
+        if (held_[id] == 0) { reject(id, "is not allocated (double free?)"); continue; }
+        held_[id] = 2;
+        marked.push_back(id);
+    }
+    for (int64_t id : marked) held_[id] = 1;
+    if (!bad->empty()) {
+        if (bad->size() > 16) why += "; and " + std::to_string(bad->size() - 16) + " more";
+        return Status::make(Code::Invalid, "free: nothing freed: " + why);
+    }
+    for (int64_t i = 0; i < n; ++i) return_block_locked(ids[i]);
+    used_ -= n;
+    ++counters_.frees;
+    if (cfg_.reserve_thread) {
+        if (thread_has_work_locked()) cv_.notify_all();
+    } else {
+        release_inline_locked();
+    }
+    return Status::ok();
+}
+
+// Without a reserve thread, pages beyond reserve_max (or above the limit) are
+// given back by the call that emptied them.
+void Space::release_inline_locked() {
+    while (!reserve_.empty()) {
+        const bool over_limit = cfg_.limit_pages >= 0 && n_active_ + n_reserve_ > cfg_.limit_pages;
+        if (!over_limit && n_reserve_ <= cfg_.reserve_max) break;
+        const int32_t p = reserve_.back();
+        Status s = do_release(p, consume_fault_locked(FaultKind::Release));
+        if (!s.is_ok()) {
+            ++counters_.release_failures;
+            counters_.last_error = s.message;
+            break;  // the page stays idle reserve; books still match memory
+        }
+        reserve_.pop_back();
+        pages_[p].state = PageState::Free;
+        --n_reserve_;
+        reserve_cap_ -= pages_[p].cap;
+        free_push(p);
+        ++counters_.releases;
+        ++counters_.inline_releases;
+    }
+}
+
+Status Space::trim(int64_t* released) {
+    std::lock_guard<std::mutex> lk(mu_);
+    *released = 0;
+    if (closed_) return Status::make(Code::Closed, "space is closed");
+    Status result = Status::ok();
+    std::vector<int32_t> kept;
+    while (!reserve_.empty()) {
+        const int32_t p = reserve_.back();
+        reserve_.pop_back();
+        Status s = do_release(p, consume_fault_locked(FaultKind::Release));
+        if (!s.is_ok()) {
+            ++counters_.release_failures;
+            counters_.last_error = s.message;
+            if (result.is_ok()) result = s;
+            kept.push_back(p);
+            continue;
+        }
+        pages_[p].state = PageState::Free;
+        --n_reserve_;
+        reserve_cap_ -= pages_[p].cap;
+        free_push(p);
+        ++counters_.releases;
+        ++*released;
+    }
+    reserve_.insert(reserve_.end(), kept.rbegin(), kept.rend());
+    cv_.notify_all();
+    return result;
+}
+
+Status Space::set_limit_pages(int64_t limit_pages) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return Status::make(Code::Closed, "space is closed");
+    if (limit_pages < -1) return Status::make(Code::Invalid, "limit_pages must be >= -1");
+    cfg_.limit_pages = limit_pages;
+    if (cfg_.reserve_thread) cv_.notify_all();
+    else release_inline_locked();
+    return Status::ok();
+}
+
+Status Space::set_reserve(int64_t min_pages, int64_t max_pages) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return Status::make(Code::Closed, "space is closed");
+    if (min_pages < 0 || max_pages < min_pages)
+        return Status::make(Code::Invalid, "reserve needs 0 <= min <= max, got min=" + std::to_string(min_pages) +
+                                               " max=" + std::to_string(max_pages));
+    cfg_.reserve_min = min_pages;
+    cfg_.reserve_max = max_pages;
+    thread_backoff_ = false;
+    if (cfg_.reserve_thread) cv_.notify_all();
+    else release_inline_locked();
+    return Status::ok();
+}
+
+Status Space::page_occupancy(const int64_t* pages, int64_t n, int64_t* used, int64_t* state) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return Status::make(Code::Closed, "space is closed");
+    for (int64_t i = 0; i < n; ++i)
+        if (pages[i] < 0 || pages[i] >= num_pages())
+            return Status::make(Code::Invalid, "page " + std::to_string(pages[i]) + " is out of range [0, " +
+                                                   std::to_string(num_pages()) + ")");
+    for (int64_t i = 0; i < n; ++i) {
+        const Page& pg = pages_[pages[i]];
+        state[i] = static_cast<int64_t>(pg.state);
+        used[i] = pg.state == PageState::Active ? pg.cap - pg.nfree : 0;
+    }
+    return Status::ok();
+}
+
+SpaceStats Space::stats() {
+    std::lock_guard<std::mutex> lk(mu_);
+    SpaceStats s = counters_;
+    s.num_blocks = cfg_.num_blocks;
+    s.capacity = capacity_;
+    s.num_pages = num_pages();
+    s.used_blocks = used_;
+    s.available = closed_ ? 0 : available_locked();
+    s.pages_committing = n_committing_;
+    s.pages_reserve = n_reserve_;
+    s.pages_active = n_active_;
+    s.pages_releasing = n_releasing_;
+    s.pages_free = num_pages() - n_active_ - n_reserve_ - n_committing_ - n_releasing_;
+    s.page_commit_bytes = cfg_.num_regions * cfg_.page_bytes;
+    s.committed_bytes = (n_active_ + n_reserve_ + n_releasing_) * s.page_commit_bytes;
+    s.limit_pages = cfg_.limit_pages;
+    return s;
+}
+
+int64_t Space::allocated_bytes() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return backend_->allocated_bytes();
+}
+
+// ---------------------------------------------------------- reserve thread
+// Keeps between reserve_min and reserve_max idle committed pages, and gives
+// pages back while over the limit. It never calls into Python (it has no
+// Python state at all) and never holds mu_ across a syscall: it marks the
+// page COMMITTING/RELEASING, unlocks, runs the syscall, relocks.
+
+bool Space::thread_has_work_locked() const {
+    if (n_reserve_ > 0 && cfg_.limit_pages >= 0 && n_active_ + n_reserve_ + n_committing_ > cfg_.limit_pages)
+        return true;
+    if (n_reserve_ > cfg_.reserve_max) return true;
+    if (thread_backoff_) return false;
+    return n_reserve_ + n_committing_ < cfg_.reserve_min && headroom_locked() > 0 && !free_by_cap_.empty();
+}
+
+void Space::signal_eventfd() {
+    const uint64_t one = 1;
+    // EAGAIN only if the counter would overflow: the fd is readable anyway.
+    ssize_t r = ::write(efd_, &one, sizeof(one));
+    (void)r;
+}
+
+void Space::thread_main() {
+    std::unique_lock<std::mutex> lk(mu_);
+    while (!stop_) {
+        const bool over_limit = n_reserve_ > 0 && cfg_.limit_pages >= 0 &&
+                                n_active_ + n_reserve_ + n_committing_ > cfg_.limit_pages;
+        if (over_limit || n_reserve_ > cfg_.reserve_max) {
+            const int32_t p = reserve_.back();
+            reserve_.pop_back();
+            Page& pg = pages_[p];
+            pg.state = PageState::Releasing;
+            --n_reserve_;
+            reserve_cap_ -= pg.cap;
+            ++n_releasing_;
+            releasing_caps_.push_back(pg.cap);
+            const int err = consume_fault_locked(FaultKind::Release);
+            lk.unlock();
+            Status s = do_release(p, err);
+            lk.lock();
+            --n_releasing_;
+            releasing_caps_.erase(std::find(releasing_caps_.begin(), releasing_caps_.end(), pg.cap));
+            if (s.is_ok()) {
+                pg.state = PageState::Free;
+                free_push(p);
+                ++counters_.releases;
+            } else {
+                ++counters_.release_failures;
+                counters_.last_error = s.message;
+                to_reserve_locked(p);
+                cv_.notify_all();
+                cv_.wait_for(lk, std::chrono::milliseconds(100));
+                continue;
+            }
+            signal_eventfd();  // budget came back: a waiter under a limit may fit now
+            cv_.notify_all();
+            continue;
+        }
+        if (!thread_backoff_ && n_reserve_ + n_committing_ < cfg_.reserve_min && headroom_locked() > 0 &&
+            !free_by_cap_.empty()) {
+            auto& bucket = free_by_cap_.front();  // largest capacity first, as available() counts
+            const int32_t p = bucket.second.back();
+            bucket.second.pop_back();
+            if (bucket.second.empty()) free_by_cap_.erase(free_by_cap_.begin());
+            Page& pg = pages_[p];
+            pg.state = PageState::Committing;
+            ++n_committing_;
+            committing_cap_ += pg.cap;
+            const int err = consume_fault_locked(FaultKind::Commit);
+            lk.unlock();
+            Status s = do_commit(p, err);
+            lk.lock();
+            --n_committing_;
+            committing_cap_ -= pg.cap;
+            if (s.is_ok()) {
+                to_reserve_locked(p);
+                ++counters_.commits;
+                signal_eventfd();
+            } else {
+                pg.state = PageState::Free;
+                free_push(p);
+                ++counters_.commit_failures;
+                counters_.last_error = s.message;
+                // Out of memory or a failing backend: stop refilling until
+                // something changes (a free, a trim, a new reserve setting).
+                thread_backoff_ = true;
+            }
+            cv_.notify_all();
+            continue;
+        }
+        cv_.notify_all();  // wake settle() waiters: nothing left to do
+        cv_.wait(lk);
+        if (thread_backoff_ && n_reserve_ + n_committing_ < cfg_.reserve_min) {
+            // Woken by activity: try again once.
+            thread_backoff_ = false;
+        }
+    }
+}
+
+bool Space::settle(double timeout_s) {
+    std::unique_lock<std::mutex> lk(mu_);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    while (!closed_ && (n_committing_ > 0 || n_releasing_ > 0 || (cfg_.reserve_thread && thread_has_work_locked()))) {
+        cv_.notify_all();
+        if (cv_.wait_until(lk, deadline) == std::cv_status::timeout) return false;
+    }
+    return true;
+}
+
+bool Space::closed() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return closed_;
+}
+
+void Space::close() {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (closed_) return;
+    closed_ = true;
+    stop_ = true;
+    cv_.notify_all();
+    lk.unlock();
+    if (thread_.joinable()) thread_.join();
+    lk.lock();
+    backend_->close();  // gives every committed byte back
+    if (efd_ >= 0) ::close(efd_);
+    efd_ = -1;
+    cv_.notify_all();
+}
+
+}  // namespace kvpool

@@ -1,0 +1,153 @@
+// One KV space: page table, block allocator and reserve thread over a
+// Backend. Plain C++17; knows nothing of Python (see bindings.cpp).
+//
+// Page states:   FREE --commit--> RESERVE --first alloc--> ACTIVE
+//                  ^                 |  ^                      |
+//                  +----release------+  +---last block freed---+
+// plus two transient states (COMMITTING, RELEASING) owned by the reserve
+// thread while it runs a syscall without holding the lock.
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend.hpp"
+#include "status.hpp"
+
+namespace kvpool {
+
+enum class PageState : uint8_t { Free = 0, Committing = 1, Reserve = 2, Active = 3, Releasing = 4 };
+
+struct SpaceConfig {
+    int64_t num_regions = 1;
+    int64_t page_bytes = 2 << 20;
+    int64_t block_bytes = 0;
+    int64_t num_blocks = 0;
+    bool null_block = false;
+    int64_t reserve_min = 1;   // idle committed pages the thread keeps ready
+    int64_t reserve_max = 2;   // idle committed pages kept before releasing
+    bool reserve_thread = true;
+    int64_t limit_pages = -1;  // cap on committed pages, -1 = none
+};
+
+struct SpaceStats {
+    int64_t num_blocks = 0, capacity = 0, num_pages = 0, used_blocks = 0, available = 0;
+    int64_t pages_free = 0, pages_committing = 0, pages_reserve = 0, pages_active = 0,
+            pages_releasing = 0;
+    int64_t committed_bytes = 0, page_commit_bytes = 0, limit_pages = -1;
+    int64_t allocs = 0, frees = 0, shortages = 0;
+    int64_t commits = 0, releases = 0, inline_commits = 0, inline_releases = 0;
+    int64_t commit_failures = 0, release_failures = 0;
+    std::string last_error;
+};
+
+enum class FaultKind : int { Commit = 0, Release = 1 };
+
+class Space {
+public:
+    // Returns nullptr and sets *status on failure.
+    static std::unique_ptr<Space> create(const SpaceConfig& cfg, std::unique_ptr<Backend> backend,
+                                         Status* status);
+    ~Space();
+    Space(const Space&) = delete;
+    Space& operator=(const Space&) = delete;
+
+    // All-or-nothing: writes n ids to out, or changes nothing and returns a
+    // Shortage (with *available set) or another failure.
+    Status alloc(int64_t n, int64_t* out, int64_t* available);
+    // Validates the whole batch first; on any bad id changes nothing and
+    // returns Invalid with the offending ids in *bad.
+    Status free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad);
+    int64_t available();
+    // Releases every idle (RESERVE) page now. *released = pages given back.
+    Status trim(int64_t* released);
+    Status set_limit_pages(int64_t limit_pages);
+    Status set_reserve(int64_t min_pages, int64_t max_pages);
+    // used/state per page; Invalid if a page id is out of range.
+    Status page_occupancy(const int64_t* pages, int64_t n, int64_t* used, int64_t* state);
+    SpaceStats stats();
+    // Waits until the reserve thread has nothing left to do (tests, audits).
+    bool settle(double timeout_s);
+    // Test-only: make the nth next page operation of `kind` fail with errno
+    // `err` (ENOSPC/ENOMEM read as a shortage). nth = 0 clears.
+    void inject_fault(FaultKind kind, int64_t nth, int err);
+    int64_t allocated_bytes();
+    void* region_base(int64_t region) const { return backend_->region_base(region); }
+    int device_type() const { return backend_->device_type(); }
+    int device_id() const { return backend_->device_id(); }
+    int eventfd() const { return efd_; }
+    const SpaceConfig& config() const { return cfg_; }
+    int64_t capacity() const { return capacity_; }
+    int64_t num_pages() const { return static_cast<int64_t>(pages_.size()); }
+    bool closed();
+    void close();
+
+private:
+    struct Page {
+        int64_t first = 0;           // first block id on the page
+        int32_t cap = 0;             // blocks on the page
+        int32_t nfree = 0;           // free blocks (ACTIVE pages)
+        PageState state = PageState::Free;
+        bool pinned = false;         // holds the null block: never released
+        int32_t prev = -1, next = -1;  // links in bucket_head_[nfree]
+        std::vector<int32_t> free_off;  // free block offsets, a stack
+    };
+
+    explicit Space(const SpaceConfig& cfg, std::unique_ptr<Backend> backend);
+    Status init();
+
+    // --- bookkeeping, all called with mu_ held ---
+    void bucket_insert(int32_t p);
+    void bucket_remove(int32_t p);
+    int32_t bucket_find_ge(int32_t k) const;
+    int32_t bucket_find_max() const;
+    void free_push(int32_t p);
+    void free_remove(int32_t p);
+    int64_t headroom_locked() const;
+    int64_t available_locked() const;
+    void activate_locked(int32_t p);
+    void take_locked(int32_t p, int64_t k, int64_t*& out);
+    void return_block_locked(int64_t id);
+    void to_reserve_locked(int32_t p);
+    bool thread_has_work_locked() const;
+    void release_inline_locked();
+    Status commit_page_locked(int32_t p, bool* injected_err_used);
+    Status do_commit(int32_t p, int injected_err);
+    Status do_release(int32_t p, int injected_err);
+    int consume_fault_locked(FaultKind kind);
+    void signal_eventfd();
+    void thread_main();
+
+    SpaceConfig cfg_;
+    std::unique_ptr<Backend> backend_;
+    int64_t capacity_ = 0;
+    int32_t max_cap_ = 0;
+
+    std::mutex mu_;
+    std::condition_variable cv_;         // page transitions, thread work, settle
+    std::vector<Page> pages_;
+    std::vector<uint8_t> held_;          // per block: 0 free, 1 held, 2 marked (free validation)
+    std::vector<int32_t> bucket_head_;   // ACTIVE pages with 0 < nfree, by nfree
+    std::vector<uint64_t> bucket_bits_;  // non-empty buckets: best-fit lookup by bit scan
+    // FREE pages by capacity, largest first: top-k sums stay exact under a limit.
+    std::vector<std::pair<int32_t, std::vector<int32_t>>> free_by_cap_;
+    std::vector<int32_t> reserve_;       // RESERVE pages, a stack
+    std::vector<int32_t> releasing_caps_;
+    int64_t partial_free_ = 0, reserve_cap_ = 0, committing_cap_ = 0;
+    int64_t n_active_ = 0, n_reserve_ = 0, n_committing_ = 0, n_releasing_ = 0;
+    int64_t used_ = 0;
+    int64_t fault_nth_[2] = {0, 0};
+    int fault_err_[2] = {0, 0};
+    bool thread_backoff_ = false;
+    bool stop_ = false;
+    bool closed_ = false;
+    SpaceStats counters_;
+    int efd_ = -1;
+    std::thread thread_;
+};
+
+}  // namespace kvpool

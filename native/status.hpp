@@ -1,0 +1,27 @@
+// Status values: every failure of the native core is returned, never thrown
+// across the C ABI and never abort()ed. The Python layer maps codes to the
+// kvpool.errors hierarchy.
+#pragma once
+#include <string>
+#include <utility>
+
+namespace kvpool {
+
+enum class Code : int {
+    Ok = 0,
+    Shortage = 1,  // expected: not enough blocks/pages/memory right now
+    Invalid = 2,   // caller misuse (bad ids, bad arguments)
+    Backend = 3,   // a syscall/driver failure that is not a shortage
+    Closed = 4,    // the space was closed
+};
+
+struct Status {
+    Code code = Code::Ok;
+    std::string message;
+
+    static Status ok() { return {}; }
+    static Status make(Code c, std::string m) { return Status{c, std::move(m)}; }
+    bool is_ok() const { return code == Code::Ok; }
+};
+
+}  // namespace kvpool
