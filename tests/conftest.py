@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from kvpool import Geometry, KVSpace
+
+KiB = 1024
+
+
+@pytest.fixture
+def make_space() -> Iterator[Callable[..., KVSpace]]:
+    """Build spaces that are closed at teardown. Defaults: small pages, no thread."""
+    spaces: list[KVSpace] = []
+
+    def make(geometry: Geometry | None = None, **kw: Any) -> KVSpace:
+        if geometry is None:
+            geometry = Geometry(2, 2, 4 * KiB, 256, page_bytes=64 * KiB)
+        kw.setdefault("reserve_thread", False)
+        kw.setdefault("reserve", (0, 0))
+        s = KVSpace(geometry, **kw)
+        spaces.append(s)
+        return s
+
+    yield make
+    for s in spaces:
+        s.close()
+
+
+def snapshot(space: KVSpace) -> tuple[object, ...]:
+    """Everything a failed operation must leave unchanged."""
+    st = space.stats()
+    return (
+        st.used_blocks,
+        st.available,
+        st.pages_free,
+        st.pages_reserve,
+        st.pages_active,
+        st.committed_bytes,
+        tuple(space.page_occupancy()),
+        space.allocated_bytes(),
+    )

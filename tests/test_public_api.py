@@ -1,0 +1,34 @@
+"""The public surface is exactly ``kvpool.__all__`` (STYLE.md item 1)."""
+
+from __future__ import annotations
+
+import __future__
+import types
+
+import kvpool
+import kvpool.adapters
+
+
+def test_all_names_exist_and_nothing_public_is_missing() -> None:
+    public = {
+        name
+        for name, value in vars(kvpool).items()
+        if not name.startswith("_")
+        and not isinstance(value, (types.ModuleType, __future__._Feature))
+    }
+    assert set(kvpool.__all__) == public
+    for name in kvpool.__all__:
+        assert getattr(kvpool, name) is not None
+
+
+def test_errors_form_one_hierarchy_by_cause() -> None:
+    for cls in (kvpool.PoolExhausted, kvpool.PoolClosed, kvpool.GeometryError, kvpool.InvalidBlocks,
+                kvpool.BackendError, kvpool.LedgerError):
+        assert issubclass(cls, kvpool.KVPoolError)
+    assert issubclass(kvpool.GeometryError, ValueError)
+    assert issubclass(kvpool.InvalidBlocks, ValueError)
+    assert not issubclass(kvpool.PoolExhausted, ValueError)
+
+
+def test_adapters_ship_inside_the_package() -> None:
+    assert kvpool.adapters.__name__ == "kvpool.adapters"
