@@ -324,7 +324,10 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available) {
             return s;
         }
     }
-    for (int32_t p : plan) {
+    // Reversed so that the reserve stack hands the new pages out in plan
+    // order (ascending ids on a fresh space).
+    for (auto it = plan.rbegin(); it != plan.rend(); ++it) {
+        const int32_t p = *it;
         free_remove(p);
         to_reserve_locked(p);
         ++counters_.commits;
