@@ -1,0 +1,73 @@
+"""kvpool native core (private: use the kvpool package)"""
+
+from typing import Annotated
+
+import numpy
+from numpy.typing import NDArray
+
+
+CODE_OK: int = 0
+
+CODE_SHORTAGE: int = 1
+
+CODE_INVALID: int = 2
+
+CODE_BACKEND: int = 3
+
+CODE_CLOSED: int = 4
+
+def cpu_granularity() -> int:
+    """Smallest page size step of the CPU backend."""
+
+def page_ranges(page_bytes: int, block_bytes: int, num_blocks: int) -> tuple:
+    """Per-page block ranges [first, last) of a geometry (the one formula)."""
+
+class Space:
+    def alloc(self, n: int) -> tuple:
+        """All-or-nothing: (code, ids | None, available, message)."""
+
+    def free(self, ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple[int, list[int], str]:
+        """Validates the whole batch first: (code, bad_ids, message)."""
+
+    def available(self) -> int: ...
+
+    def trim(self) -> tuple[int, int, str]:
+        """Release every idle committed page: (code, released, message)."""
+
+    def set_limit_pages(self, limit_pages: int) -> tuple[int, str]: ...
+
+    def set_reserve(self, min_pages: int, max_pages: int) -> tuple[int, str]: ...
+
+    def page_occupancy(self, pages: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple:
+        """(code, used blocks, page states, message)."""
+
+    def stats(self) -> dict: ...
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until the reserve thread is idle; False on timeout."""
+
+    def inject_fault(self, kind: int, nth: int, errno: int) -> None:
+        """Test-only: fail the nth next commit (0) or release (1)."""
+
+    def allocated_bytes(self) -> int:
+        """Bytes the backend really holds (memfd st_blocks on CPU)."""
+
+    def region(self, region: int) -> Annotated[NDArray[numpy.uint8], dict(shape=(None,))]:
+        """Region memory as a DLPack-capable byte array."""
+
+    @property
+    def eventfd(self) -> int: ...
+
+    @property
+    def num_pages(self) -> int: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, limit_pages: int, device: str) -> tuple:
+    """Create a KV space: (code, message, Space | None)."""

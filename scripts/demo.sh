@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The main job: install kvpool (CPU) and run `kvpool demo`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+exec "${KVPOOL_VENV:-.venv}/bin/kvpool" demo "$@"
