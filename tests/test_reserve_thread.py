@@ -88,7 +88,7 @@ def test_many_spaces_start_and_stop_cleanly() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_python_thread_holding_the_gil_does_not_deadlock_the_reserve_thread() -> None:
+def test_python_thread_holding_the_gil_does_not_deadlock_the_reserve_thread(tmp_path) -> None:
     # The shape of kvcached issue 371: a native thread must never need the GIL
     # while Python code (holding it) waits on native work. Run in a child so a
     # deadlock fails this test instead of hanging the suite.
@@ -115,6 +115,8 @@ def test_python_thread_holding_the_gil_does_not_deadlock_the_reserve_thread() ->
         print("ok", st.commits, st.releases)
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    # cwd outside the repo: its kvpool/ source folder has no compiled _native.
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100,
+                         cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok")

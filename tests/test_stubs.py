@@ -17,6 +17,7 @@ def test_native_stub_in_the_tree_is_current(tmp_path: pathlib.Path) -> None:
     subprocess.run(
         [sys.executable, "-m", "nanobind.stubgen", "-q", "-m", "kvpool._native", "-o", str(out)],
         check=True,
+        cwd=tmp_path,  # not the repo root: its kvpool/ source folder has no _native
     )
     assert out.read_text() == STUB.read_text(), (
         "kvpool/_native.pyi is stale: regenerate with "
