@@ -19,11 +19,11 @@ CODE_CLOSED: int = 4
 def cpu_granularity() -> int:
     """Smallest page size step of the CPU backend."""
 
-def page_ranges(page_bytes: int, block_bytes: int, num_blocks: int) -> tuple:
+def page_ranges(page_bytes: int, block_bytes: int, num_blocks: int) -> tuple[object, object]:
     """Per-page block ranges [first, last) of a geometry (the one formula)."""
 
 class Space:
-    def alloc(self, n: int) -> tuple:
+    def alloc(self, n: int) -> tuple[int, object, int, str]:
         """All-or-nothing: (code, ids | None, available, message)."""
 
     def free(self, ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple[int, list[int], str]:
@@ -38,10 +38,10 @@ class Space:
 
     def set_reserve(self, min_pages: int, max_pages: int) -> tuple[int, str]: ...
 
-    def page_occupancy(self, pages: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple:
+    def page_occupancy(self, pages: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple[int, object, object, str]:
         """(code, used blocks, page states, message)."""
 
-    def stats(self) -> dict: ...
+    def stats(self) -> dict[str, object]: ...
 
     def settle(self, timeout_s: float) -> bool:
         """Wait until the reserve thread is idle; False on timeout."""
@@ -69,5 +69,5 @@ class Space:
 
     def close(self) -> None: ...
 
-def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, limit_pages: int, device: str) -> tuple:
+def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, limit_pages: int, device: str) -> tuple[int, str, object]:
     """Create a KV space: (code, message, Space | None)."""

@@ -135,7 +135,8 @@ class Geometry:
 
     @cached_property
     def _ranges(self) -> tuple[Any, Any]:
-        return _core.native.page_ranges(self.page_bytes, self.region_block_bytes, self.blocks)
+        first, last = _core.native.page_ranges(self.page_bytes, self.region_block_bytes, self.blocks)
+        return first, last
 
     @property
     def num_pages(self) -> int:

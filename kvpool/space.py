@@ -10,11 +10,12 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
 import torch
+import torch.utils.dlpack
 
 from . import _core
 from .errors import GeometryError, InvalidBlocks, PoolClosed
@@ -130,7 +131,7 @@ class KVSpace:
         )
         if space is None:
             _core.raise_status(code, f"cannot create KV space: {msg}")
-        self._space = space
+        self._space = cast(_core.native.Space, space)
         self._regions: list[torch.Tensor] | None = None
 
     def _limit_pages(self, limit_bytes: int | None) -> int:
@@ -152,7 +153,7 @@ class KVSpace:
         code, ids, available, msg = self._space.alloc(int(n))
         if code != _core.CODE_OK:
             _core.raise_status(code, msg, requested=int(n), available=available)
-        return ids  # type: ignore[no-any-return]
+        return cast(BlockIds, ids)
 
     def free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> None:
         """Free a batch of ids. Any bad id raises :class:`InvalidBlocks` and frees nothing."""
@@ -189,7 +190,7 @@ class KVSpace:
 
     # -- observation --------------------------------------------------------
     def stats(self) -> SpaceStats:
-        return SpaceStats(**self._space.stats())
+        return SpaceStats(**self._space.stats())  # type: ignore[arg-type]
 
     def page_occupancy(self, pages: Sequence[int] | None = None) -> list[PageInfo]:
         """State and used-block count of ``pages`` (all pages by default)."""
@@ -197,7 +198,8 @@ class KVSpace:
         arr = np.arange(g.num_pages, dtype=np.int64) if pages is None else np.asarray(pages, dtype=np.int64)
         if arr.ndim != 1:
             raise ValueError(f"page ids must be 1-D, got shape {arr.shape}")
-        code, used, state, msg = self._space.page_occupancy(np.ascontiguousarray(arr))
+        code, used_obj, state_obj, msg = self._space.page_occupancy(np.ascontiguousarray(arr))
+        used, state = cast(BlockIds, used_obj), cast(BlockIds, state_obj)
         if code != _core.CODE_OK:
             if code == _core.CODE_INVALID:
                 raise IndexError(msg)
@@ -234,7 +236,7 @@ class KVSpace:
         self._check_open()
         if self._regions is None:
             self._regions = [
-                torch.from_dlpack(self._space.region(r)) for r in range(self.geometry.num_regions)
+                torch.utils.dlpack.from_dlpack(self._space.region(r)) for r in range(self.geometry.num_regions)
             ]
         if not 0 <= index < len(self._regions):
             raise IndexError(f"region {index} out of range [0, {len(self._regions)})")
@@ -266,7 +268,7 @@ class KVSpace:
             slot = layer * g.num_kv_buffers + buffer
             raw = self.region(0)[: n * g.region_block_bytes].view(n, g.num_layers * g.num_kv_buffers, g.block_bytes)
             raw = raw[:, slot, :]
-        return raw.view(dtype).unflatten(1, tuple(block_shape))
+        return raw.view(dtype).view(n, *block_shape)
 
     def tensors(self, dtype: torch.dtype, block_shape: Sequence[int]) -> list[list[torch.Tensor]]:
         """Every (layer, buffer) view, ``[layer][buffer]``."""

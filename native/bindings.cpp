@@ -35,8 +35,8 @@ IdArray new_id_array(size_t n, int64_t** data) {
     return IdArray(buf, {n}, owner);
 }
 
-nb::dict stats_dict(const kvpool::SpaceStats& s) {
-    nb::dict d;
+nb::typed<nb::dict, nb::str, nb::object> stats_dict(const kvpool::SpaceStats& s) {
+    nb::typed<nb::dict, nb::str, nb::object> d;
     d["num_blocks"] = s.num_blocks;
     d["capacity"] = s.capacity;
     d["num_pages"] = s.num_pages;
@@ -91,7 +91,7 @@ NB_MODULE(_native, m) {
                 first[p] = r.first;
                 last[p] = r.last;
             }
-            return nb::make_tuple(a, b);
+            return std::make_tuple(nb::object(nb::cast(a)), nb::object(nb::cast(b)));
         },
         "page_bytes"_a, "block_bytes"_a, "num_blocks"_a,
         "Per-page block ranges [first, last) of a geometry (the one formula).");
@@ -109,7 +109,7 @@ NB_MODULE(_native, m) {
                     st = s.alloc(n, data, &available);
                 }
                 nb::object out = st.is_ok() ? nb::object(nb::cast(ids)) : nb::none();
-                return nb::make_tuple(static_cast<int>(st.code), out, available, st.message);
+                return std::make_tuple(static_cast<int>(st.code), out, available, st.message);
             },
             "n"_a, "All-or-nothing: (code, ids | None, available, message).")
         .def(
@@ -171,7 +171,8 @@ NB_MODULE(_native, m) {
                     nb::gil_scoped_release nogil;
                     st = s.page_occupancy(pages.data(), static_cast<int64_t>(n), used, state);
                 }
-                return nb::make_tuple(static_cast<int>(st.code), u, t, st.message);
+                return std::make_tuple(static_cast<int>(st.code), nb::object(nb::cast(u)), nb::object(nb::cast(t)),
+                                       st.message);
             },
             "pages"_a, "(code, used blocks, page states, message).")
         .def("stats", [](Space& s) {
@@ -239,7 +240,7 @@ NB_MODULE(_native, m) {
                 if (backend) space = Space::create(cfg, std::move(backend), &st);
             }
             nb::object obj = space ? nb::cast(std::move(space)) : nb::none();
-            return nb::make_tuple(static_cast<int>(st.code), st.message, obj);
+            return std::make_tuple(static_cast<int>(st.code), st.message, obj);
         },
         "num_regions"_a, "page_bytes"_a, "block_bytes"_a, "num_blocks"_a, "null_block"_a, "reserve_min"_a,
         "reserve_max"_a, "reserve_thread"_a, "limit_pages"_a, "device"_a,
