@@ -23,11 +23,15 @@ def page_ranges(page_bytes: int, block_bytes: int, num_blocks: int) -> tuple[obj
     """Per-page block ranges [first, last) of a geometry (the one formula)."""
 
 class Space:
-    def alloc(self, n: int) -> tuple[int, object, int, str]:
-        """All-or-nothing: (code, ids | None, available, message)."""
+    def alloc(self, n: int) -> tuple[int, object, int, int, str]:
+        """
+        All-or-nothing: (code, ids | None, available, pages committed inline, message).
+        """
 
-    def free(self, ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple[int, list[int], str]:
-        """Validates the whole batch first: (code, bad_ids, message)."""
+    def free(self, ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple[int, list[int], int, str]:
+        """
+        Validates the whole batch first: (code, bad_ids, pages released inline, message).
+        """
 
     def available(self) -> int: ...
 

@@ -148,22 +148,31 @@ class KVSpace:
         Raises :class:`PoolExhausted` (with ``requested``/``available``) when
         they are not there; nothing changes then.
         """
+        return self._alloc(n)[0]
+
+    def _alloc(self, n: int) -> tuple[BlockIds, int]:
+        """``alloc`` that also returns the number of pages committed inline."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
-        code, ids, available, msg = self._space.alloc(int(n))
+        code, ids, available, committed, msg = self._space.alloc(int(n))
         if code != _core.CODE_OK:
             _core.raise_status(code, msg, requested=int(n), available=available)
-        return cast(BlockIds, ids)
+        return cast(BlockIds, ids), committed
 
     def free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> None:
         """Free a batch of ids. Any bad id raises :class:`InvalidBlocks` and frees nothing."""
+        self._free(blocks)
+
+    def _free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> tuple[int, int]:
+        """``free`` that returns (blocks freed, pages released inline)."""
         ids = _as_ids(blocks)
         if ids.size == 0:
             self._check_open()
-            return
-        code, bad, msg = self._space.free(ids)
+            return 0, 0
+        code, bad, released, msg = self._space.free(ids)
         if code != _core.CODE_OK:
             _core.raise_status(code, msg, bad_ids=list(bad))
+        return int(ids.size), released
 
     def available(self) -> int:
         """Blocks a following ``alloc`` can deliver with no other actor in between."""

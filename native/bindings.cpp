@@ -102,28 +102,29 @@ NB_MODULE(_native, m) {
             [](Space& s, int64_t n) {
                 int64_t* data = nullptr;
                 IdArray ids = new_id_array(static_cast<size_t>(n > 0 ? n : 0), &data);
-                int64_t available = 0;
+                int64_t available = 0, committed = 0;
                 Status st;
                 {
                     nb::gil_scoped_release nogil;
-                    st = s.alloc(n, data, &available);
+                    st = s.alloc(n, data, &available, &committed);
                 }
                 nb::object out = st.is_ok() ? nb::object(nb::cast(ids)) : nb::none();
-                return std::make_tuple(static_cast<int>(st.code), out, available, st.message);
+                return std::make_tuple(static_cast<int>(st.code), out, available, committed, st.message);
             },
-            "n"_a, "All-or-nothing: (code, ids | None, available, message).")
+            "n"_a, "All-or-nothing: (code, ids | None, available, pages committed inline, message).")
         .def(
             "free",
             [](Space& s, IdInput ids) {
                 std::vector<int64_t> bad;
+                int64_t released = 0;
                 Status st;
                 {
                     nb::gil_scoped_release nogil;
-                    st = s.free(ids.data(), static_cast<int64_t>(ids.shape(0)), &bad);
+                    st = s.free(ids.data(), static_cast<int64_t>(ids.shape(0)), &bad, &released);
                 }
-                return std::make_tuple(static_cast<int>(st.code), bad, st.message);
+                return std::make_tuple(static_cast<int>(st.code), bad, released, st.message);
             },
-            "ids"_a, "Validates the whole batch first: (code, bad_ids, message).")
+            "ids"_a, "Validates the whole batch first: (code, bad_ids, pages released inline, message).")
         .def("available", &Space::available, nb::call_guard<nb::gil_scoped_release>())
         .def(
             "trim",

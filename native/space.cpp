@@ -266,9 +266,10 @@ void Space::return_block_locked(int64_t id) {
 
 // ------------------------------------------------------------------ alloc
 
-Status Space::alloc(int64_t n, int64_t* out, int64_t* available) {
+Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* committed) {
     std::unique_lock<std::mutex> lk(mu_);
     *available = 0;
+    if (committed) *committed = 0;
     if (closed_) return Status::make(Code::Closed, "space is closed");
     if (n < 0) return Status::make(Code::Invalid, "alloc: n must be >= 0, got " + std::to_string(n));
     if (n == 0) return Status::ok();
@@ -360,6 +361,7 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available) {
         take_locked(p, k, cursor);
         remaining -= k;
     }
+    if (committed) *committed = static_cast<int64_t>(plan.size());
     // The plan guaranteed enough blocks; anything else is a bookkeeping bug.
     if (remaining != 0) std::abort();
     used_ += n;
@@ -371,8 +373,9 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available) {
 
 // ------------------------------------------------------------------- free
 
-Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad) {
+Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int64_t* released) {
     std::unique_lock<std::mutex> lk(mu_);
+    if (released) *released = 0;
     if (closed_) return Status::make(Code::Closed, "space is closed");
     std::string why;
     std::vector<int64_t> marked;
@@ -405,14 +408,16 @@ Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad) {
     if (cfg_.reserve_thread) {
         if (thread_has_work_locked()) cv_.notify_all();
     } else {
-        release_inline_locked();
+        const int64_t r = release_inline_locked();
+        if (released) *released = r;
     }
     return Status::ok();
 }
 
 // Without a reserve thread, pages beyond reserve_max (or above the limit) are
 // given back by the call that emptied them.
-void Space::release_inline_locked() {
+int64_t Space::release_inline_locked() {
+    int64_t released = 0;
     while (!reserve_.empty()) {
         const bool over_limit = cfg_.limit_pages >= 0 && n_active_ + n_reserve_ > cfg_.limit_pages;
         if (!over_limit && n_reserve_ <= cfg_.reserve_max) break;
@@ -430,7 +435,9 @@ void Space::release_inline_locked() {
         free_push(p);
         ++counters_.releases;
         ++counters_.inline_releases;
+        ++released;
     }
+    return released;
 }
 
 Status Space::trim(int64_t* released) {

@@ -58,10 +58,12 @@ public:
 
     // All-or-nothing: writes n ids to out, or changes nothing and returns a
     // Shortage (with *available set) or another failure.
-    Status alloc(int64_t n, int64_t* out, int64_t* available);
+    // *committed (optional) = pages this call committed inline.
+    Status alloc(int64_t n, int64_t* out, int64_t* available, int64_t* committed = nullptr);
     // Validates the whole batch first; on any bad id changes nothing and
     // returns Invalid with the offending ids in *bad.
-    Status free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad);
+    // *released (optional) = pages this call released inline.
+    Status free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int64_t* released = nullptr);
     int64_t available();
     // Releases every idle (RESERVE) page now. *released = pages given back.
     Status trim(int64_t* released);
@@ -114,7 +116,7 @@ private:
     void return_block_locked(int64_t id);
     void to_reserve_locked(int32_t p);
     bool thread_has_work_locked() const;
-    void release_inline_locked();
+    int64_t release_inline_locked();
     Status commit_page_locked(int32_t p, bool* injected_err_used);
     Status do_commit(int32_t p, int injected_err);
     Status do_release(int32_t p, int injected_err);
