@@ -10,15 +10,27 @@ from .errors import LedgerError as LedgerError
 from .errors import PoolClosed as PoolClosed
 from .errors import PoolExhausted as PoolExhausted
 from .geometry import MiB as MiB
+from .manager import Blocks as Blocks
+from .manager import KVCacheManager as KVCacheManager
+from .manager import LimitState as LimitState
+from .manager import ManagerStats as ManagerStats
+from .manager import Reservation as Reservation
 from .geometry import Geometry as Geometry
 from .space import KVSpace as KVSpace
 from .space import PageInfo as PageInfo
 from .space import SpaceStats as SpaceStats
+from .tracing import bind_request as bind_request
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendError",
+    "Blocks",
+    "KVCacheManager",
+    "LimitState",
+    "ManagerStats",
+    "Reservation",
+    "bind_request",
     "Geometry",
     "GeometryError",
     "InvalidBlocks",

@@ -476,6 +476,7 @@ Status Space::set_limit_pages(int64_t limit_pages) {
     cfg_.limit_pages = limit_pages;
     if (cfg_.reserve_thread) cv_.notify_all();
     else release_inline_locked();
+    signal_eventfd();  // a raised limit is new capacity for whoever waits
     return Status::ok();
 }
 

@@ -1,0 +1,499 @@
+"""KVCacheManager: the asyncio-first face of a KV space.
+
+``await manager.alloc(n)`` returns n block ids, waiting with FIFO
+backpressure while they are not there; it never returns ``None``. The
+ordering rules live in :mod:`kvpool._waitqueue`; this module wires the queue
+to the native space, to wake-ups and to traces.
+
+Wake-ups. Blocks freed in this process are handed to waiters by ``free``
+itself (same thread, no round trip). Capacity that appears natively (the
+reserve thread committing or releasing pages, later: other processes
+freeing pool budget) is signalled on the space's eventfd; while anyone
+waits, exactly one waiter also watches that fd through the event loop
+(``anyio.wait_readable``) and re-dispatches when it turns readable. When the
+watcher leaves (granted, cancelled) it hands the role to the next waiter.
+No background task, no polling, no native thread calling into Python.
+
+Threading. A manager belongs to one event loop; call it from that loop's
+thread (engines on other threads use ``kvpool.adapters.blocking``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+import numpy as np
+import torch
+
+from . import tracing
+from ._waitqueue import WaitQueue, Waiter, WaiterState
+from .errors import KVPoolError, PoolClosed, PoolExhausted
+from .geometry import Geometry
+from .space import BlockIds, KVSpace, PageInfo, SpaceStats
+
+__all__ = ["Blocks", "KVCacheManager", "LimitState", "ManagerStats", "Reservation"]
+
+Blocks = BlockIds
+_EMPTY: BlockIds = np.empty(0, dtype=np.int64)
+_names = itertools.count()
+
+
+class LimitState(str, Enum):
+    """Outcome of ``set_limit``."""
+
+    APPLIED = "applied"    # committed memory is within the limit
+    DEFERRED = "deferred"  # growth stopped; pages go back as they empty
+    STALE = "stale"        # an older revision than the one in force: ignored
+    CONFLICT = "conflict"  # same revision, different value: refused
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    pool: str
+    tenant: str
+    capacity: int
+    used_blocks: int
+    available: int
+    waiting: int
+    waiting_blocks: int
+    committed_bytes: int
+    limit_bytes: int | None
+    limit_revision: int
+    limit_state: LimitState
+    granted_at_once: int
+    granted_after_wait: int
+    timeouts: int
+    cancellations: int
+    shortages: int
+    space: SpaceStats
+
+
+class Reservation:
+    """Blocks set aside by ``await manager.reserve(n)``, handed out with ``take``.
+
+    Closing (or leaving the ``with`` block) gives what was not taken back.
+    A failed ``take`` changes nothing: the reservation is never cancelled
+    silently.
+    """
+
+    def __init__(self, manager: KVCacheManager, ids: BlockIds) -> None:
+        self._manager = manager
+        self._ids = ids
+        self._pos = 0
+        self._closed = False
+
+    @property
+    def remaining(self) -> int:
+        return 0 if self._closed else len(self._ids) - self._pos
+
+    def take(self, k: int) -> BlockIds:
+        if self._closed:
+            raise PoolClosed("reservation is closed")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"k must be a non-negative int, got {k!r}")
+        if k > self.remaining:
+            raise PoolExhausted(k, self.remaining, "reservation holds fewer blocks")
+        out = self._ids[self._pos : self._pos + k]
+        self._pos += k
+        return out
+
+    def close(self) -> None:
+        """Return the blocks not taken to the manager. Idempotent."""
+        if self._closed:
+            return
+        rest = self._ids[self._pos :]
+        self._closed = True
+        if len(rest) and not self._manager.closed:
+            self._manager.free(rest)
+
+    async def aclose(self) -> None:
+        self.close()
+        await anyio.lowlevel.checkpoint()
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Reservation:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Reservation {self.remaining}/{len(self._ids)} blocks left>"
+
+
+class KVCacheManager:
+    """Awaitable block allocation over one KV space.
+
+    Args:
+        geometry: the space's shape.
+        pool: the pool name (traced; the shared multi-engine ledger joins by it).
+        device: ``"cpu"``.
+        name: this tenant's name (default ``<pid>-<n>``).
+        null_block: hold block 0 for the engine's padding.
+        reserve, reserve_thread: see :class:`kvpool.KVSpace`.
+        limit_bytes: initial cap on committed bytes (revision 0).
+    """
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        *,
+        pool: str = "default",
+        device: str = "cpu",
+        name: str | None = None,
+        null_block: bool = False,
+        reserve: tuple[int, int] = (1, 2),
+        reserve_thread: bool = True,
+        limit_bytes: int | None = None,
+    ) -> None:
+        self.pool = pool
+        self.name = name if name is not None else f"{os.getpid()}-{next(_names)}"
+        self.space = KVSpace(
+            geometry, device=device, null_block=null_block, reserve=reserve,
+            reserve_thread=reserve_thread, limit_bytes=limit_bytes,
+        )
+        self.geometry = geometry
+        self._usable = geometry.capacity - (1 if null_block else 0)
+        self._queue = WaitQueue()
+        self._closed = False
+        self._watcher: Waiter | None = None
+        self._watch_scope: anyio.CancelScope | None = None
+        self._watcher_gone: anyio.Event | None = None
+        self._limit_bytes = limit_bytes
+        self._limit_revision = 0
+        self._limit_state = LimitState.APPLIED
+        self._counts = {"at_once": 0, "after_wait": 0, "timeouts": 0, "cancellations": 0, "shortages": 0}
+        self._log = tracing.get_logger(pool=pool, tenant=self.name)
+        self._refresh_limit_state(log=False)
+
+    # ------------------------------------------------------------------ alloc
+    def _validate(self, n: int, priority: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"n must be a non-negative int, got {n!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if self._closed:
+            raise PoolClosed(f"manager {self.name!r} is closed")
+        if n > self._usable:
+            raise ValueError(f"alloc({n}) can never be granted: the space holds {self._usable} usable blocks")
+
+    def _grant_now(self, n: int) -> BlockIds:
+        ids, committed = self.space._alloc(n)
+        if committed:
+            self._log.debug("pages.committed", pages=committed, by="alloc")
+        return ids
+
+    def alloc_nowait(self, n: int, *, priority: int = 0) -> BlockIds:
+        """n block ids now, or :class:`PoolExhausted` (never queues, never barges)."""
+        self._validate(n, priority)
+        if n == 0:
+            return _EMPTY.copy()
+        if self._queue.has_waiters_at_or_before(priority):
+            self._counts["shortages"] += 1
+            self._log.info("alloc.shortage", requested=n, available=0, waiting=len(self._queue))
+            raise PoolExhausted(n, 0, f"{len(self._queue)} earlier waiters are queued")
+        try:
+            ids = self._grant_now(n)
+        except PoolExhausted as e:
+            self._counts["shortages"] += 1
+            self._log.info("alloc.shortage", requested=n, available=e.available, waiting=0)
+            raise
+        self._counts["at_once"] += 1
+        self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
+        return ids
+
+    async def alloc(self, n: int, *, timeout: float | None = None, priority: int = 0) -> BlockIds:
+        """Wait until n blocks can be granted, then return their ids.
+
+        FIFO within a priority class (lower number first). ``timeout``
+        raises :class:`TimeoutError` holding nothing; closing the manager
+        raises :class:`PoolClosed`. Cancellation never leaks a block.
+        """
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        self._validate(n, priority)
+        if timeout is not None and (not isinstance(timeout, (int, float)) or math.isnan(timeout)):
+            raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
+        if n == 0:
+            return _EMPTY.copy()
+        if not self._queue.has_waiters_at_or_before(priority):
+            try:
+                ids = self._grant_now(n)
+            except PoolExhausted:
+                pass
+            else:
+                self._counts["at_once"] += 1
+                self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
+                await anyio.lowlevel.cancel_shielded_checkpoint()
+                return ids
+        w = Waiter(n, priority)
+        self._queue.push(w)
+        scope = anyio.fail_after(timeout) if timeout is not None else contextlib.nullcontext()
+        try:
+            with scope:
+                await self._park(w)
+        except BaseException as exc:
+            after_grant = self._abandon(w)
+            waited_ms = (time.perf_counter() - w.enqueued_at) * 1e3
+            if isinstance(exc, TimeoutError):
+                self._counts["timeouts"] += 1
+                self._log.info("alloc.timeout", n=n, waited_ms=round(waited_ms, 3), priority=priority)
+            elif not isinstance(exc, KVPoolError):
+                self._counts["cancellations"] += 1
+                self._log.info("alloc.cancelled", n=n, waited_ms=round(waited_ms, 3), after_grant=after_grant)
+            raise
+        if w.state is not WaiterState.GRANTED:
+            assert w.error is not None
+            raise w.error
+        self._counts["after_wait"] += 1
+        self._log.info("alloc.waited", n=n, waited_ms=round((time.perf_counter() - w.enqueued_at) * 1e3, 3),
+                       priority=priority)
+        return w.result  # type: ignore[no-any-return]
+
+    async def reserve(self, n: int, *, timeout: float | None = None, priority: int = 0) -> Reservation:
+        """Set n blocks aside (waiting like ``alloc``); hand them out with ``take``."""
+        return Reservation(self, await self.alloc(n, timeout=timeout, priority=priority))
+
+    async def _park(self, w: Waiter) -> None:
+        while w.state is WaiterState.WAITING:
+            if self._watcher is None:
+                # Become the fd watcher while waiting (see module docstring).
+                self._watcher = w
+                try:
+                    with anyio.CancelScope() as scope:
+                        self._watch_scope = scope
+                        await anyio.wait_readable(self.space.wakeup_fd)
+                    if not scope.cancel_called:
+                        self.space.drain_wakeups()
+                        self._on_native_wakeup()
+                finally:
+                    self._watcher = None
+                    self._watch_scope = None
+                    if self._watcher_gone is not None:
+                        self._watcher_gone.set()
+                    head = self._queue.head()
+                    if head is not None and head is not w:
+                        head.rouse()  # hand the watcher role over
+            else:
+                await w.wake.wait()
+                w.wake = anyio.Event()
+
+    def _abandon(self, w: Waiter) -> bool:
+        """The waiter's task is leaving early: leave nothing behind. True if it had been granted."""
+        if w.state is WaiterState.WAITING:
+            self._queue.remove(w)
+            w.state = WaiterState.GONE
+            self._dispatch()  # the ones behind it may fit now
+            return False
+        if w.state is WaiterState.GRANTED:
+            w.state = WaiterState.GONE
+            ids, w.result = w.result, None
+            if not self._closed:
+                self.free(ids)
+            return True
+        return False
+
+    def _dispatch(self) -> None:
+        """Grant the longest head-first prefix of the queue that fits (one native call)."""
+        while len(self._queue) and not self._closed:
+            batch = self._queue.take_prefix(self.space.available())
+            if not batch:
+                return
+            total = sum(w.n for w in batch)
+            try:
+                ids = self._grant_now(total)
+            except PoolExhausted:
+                self._queue.push_front(batch)  # e.g. out of memory at commit: wait for the next wake-up
+                return
+            except KVPoolError as e:
+                for w in batch:
+                    w.state, w.error = WaiterState.GONE, e
+                    self._wake(w)
+                continue
+            off = 0
+            for w in batch:
+                w.result = ids[off : off + w.n]
+                off += w.n
+                w.state = WaiterState.GRANTED
+                self._wake(w)
+
+    def _wake(self, w: Waiter) -> None:
+        w.rouse()
+        if w is self._watcher and self._watch_scope is not None:
+            self._watch_scope.cancel()
+
+    def _on_native_wakeup(self) -> None:
+        self._dispatch()
+        if self._limit_state is LimitState.DEFERRED:
+            self._refresh_limit_state()
+
+    # ------------------------------------------------------------------- free
+    def free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> None:
+        """Give blocks back; waiters are served before any new arrival."""
+        if self._closed:
+            raise PoolClosed(f"manager {self.name!r} is closed")
+        n, released = self.space._free(blocks)
+        self._log.debug("free", n=n)
+        if released:
+            self._log.debug("pages.released", pages=released, by="free")
+        self._dispatch()
+        if self._limit_state is LimitState.DEFERRED:
+            self._refresh_limit_state()
+
+    # ----------------------------------------------------------------- limits
+    async def set_limit(self, limit_bytes: int | None, *, revision: int | None = None) -> LimitState:
+        """Cap this tenant's committed bytes.
+
+        Revisions order concurrent setters: a lower revision than the one in
+        force is ``STALE``; the same revision with another value is a
+        ``CONFLICT``; repeating a revision is idempotent. A limit below
+        current use is ``DEFERRED`` (growth stops, pages go back as they
+        empty) and turns ``APPLIED`` once usage is under it.
+        """
+        if limit_bytes is not None and (isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int)
+                                        or limit_bytes < 0):
+            raise ValueError(f"limit_bytes must be a non-negative int or None, got {limit_bytes!r}")
+        if revision is None:
+            revision = self._limit_revision + 1
+        if self._closed:
+            raise PoolClosed(f"manager {self.name!r} is closed")
+        if revision < self._limit_revision:
+            self._log.info("limit.stale", limit_bytes=limit_bytes, revision=revision, current=self._limit_revision)
+            return LimitState.STALE
+        if revision == self._limit_revision:
+            if limit_bytes != self._limit_bytes:
+                self._log.info("limit.conflict", limit_bytes=limit_bytes, revision=revision,
+                               current_bytes=self._limit_bytes)
+                return LimitState.CONFLICT
+            return self._refresh_limit_state()
+        self._limit_bytes, self._limit_revision = limit_bytes, revision
+        self.space.set_limit(limit_bytes)
+        # Let the reserve thread give idle pages back before judging.
+        await anyio.to_thread.run_sync(self.space.settle, 2.0)
+        if self._closed:
+            raise PoolClosed(f"manager {self.name!r} is closed")
+        self._limit_state = LimitState.APPLIED  # force a fresh event for this revision
+        state = self._refresh_limit_state(force_log=True)
+        self._dispatch()  # a raised limit lets waiters grow
+        return state
+
+    def _refresh_limit_state(self, *, log: bool = True, force_log: bool = False) -> LimitState:
+        committed = self.space.stats().committed_bytes
+        lim = self._limit_bytes
+        new = LimitState.APPLIED if lim is None or committed <= lim else LimitState.DEFERRED
+        if log and (force_log or new is not self._limit_state):
+            event = "limit.applied" if new is LimitState.APPLIED else "limit.deferred"
+            self._log.info(event, limit_bytes=lim, revision=self._limit_revision, committed_bytes=committed)
+        self._limit_state = new
+        return new
+
+    @property
+    def limit_state(self) -> LimitState:
+        if not self._closed and self._limit_state is LimitState.DEFERRED:
+            self._refresh_limit_state()
+        return self._limit_state
+
+    # ------------------------------------------------------------ observation
+    def available(self, *, priority: int = 0) -> int:
+        """Blocks an ``alloc_nowait(n, priority=priority)`` would get right now.
+
+        Zero while earlier waiters are queued (they get freed blocks first).
+        """
+        if self._closed:
+            raise PoolClosed(f"manager {self.name!r} is closed")
+        if self._queue.has_waiters_at_or_before(priority):
+            return 0
+        return self.space.available()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def stats(self) -> ManagerStats:
+        s = self.space.stats()
+        c = self._counts
+        return ManagerStats(
+            pool=self.pool, tenant=self.name, capacity=s.capacity, used_blocks=s.used_blocks,
+            available=0 if self._closed else self.available(), waiting=len(self._queue),
+            waiting_blocks=self._queue.waiting_blocks, committed_bytes=s.committed_bytes,
+            limit_bytes=self._limit_bytes, limit_revision=self._limit_revision, limit_state=self._limit_state,
+            granted_at_once=c["at_once"], granted_after_wait=c["after_wait"], timeouts=c["timeouts"],
+            cancellations=c["cancellations"], shortages=c["shortages"], space=s,
+        )
+
+    def page_occupancy(self, pages: Sequence[int] | None = None) -> list[PageInfo]:
+        return self.space.page_occupancy(pages)
+
+    def trim(self) -> int:
+        """Release idle committed pages now; returns how many."""
+        released = self.space.trim()
+        if released:
+            self._log.debug("pages.released", pages=released, by="trim")
+        if self._limit_state is LimitState.DEFERRED:
+            self._refresh_limit_state()
+        return released
+
+    def tensors(self, dtype: torch.dtype, block_shape: Sequence[int]) -> list[list[torch.Tensor]]:
+        return self.space.tensors(dtype, block_shape)
+
+    def view(self, layer: int, buffer: int, dtype: torch.dtype, block_shape: Sequence[int]) -> torch.Tensor:
+        return self.space.view(layer, buffer, dtype, block_shape)
+
+    # -------------------------------------------------------------- lifecycle
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def aclose(self) -> None:
+        """Fail every waiter with :class:`PoolClosed` and release all memory."""
+        if self._closed:
+            await anyio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        err = PoolClosed(f"manager {self.name!r} was closed")
+        for w in self._queue.drain():
+            w.state, w.error = WaiterState.GONE, err
+            self._wake(w)
+        if self._watcher is not None:
+            # Let the watcher leave wait_readable before its fd is closed.
+            self._watcher_gone = anyio.Event()
+            if self._watch_scope is not None:
+                self._watch_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await self._watcher_gone.wait()
+        self.space.close()
+        self._log.info("closed")
+        await anyio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> KVCacheManager:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return f"<KVCacheManager {self.pool}/{self.name} closed>"
+        s = self.space.stats()
+        return (f"<KVCacheManager {self.pool}/{self.name}: {s.used_blocks}/{s.capacity} blocks used "
+                f"with {len(self._queue)} waiting>")
+
+
