@@ -108,6 +108,11 @@ class Geometry:
                     f"use memory_bytes >= {self.page_commit_bytes}"
                 )
             object.__setattr__(self, "num_blocks", (pages * P) // B)
+        if self.blocks * B >= 1 << 62:
+            raise GeometryError(
+                f"num_blocks ({self.blocks}) x block bytes ({B}) does not fit a 64-bit address range; "
+                "use fewer or smaller blocks"
+            )
         if self.capacity == 0:
             raise GeometryError(
                 f"no block of {B} bytes fits whole in a {P}-byte page with num_blocks="

@@ -101,7 +101,10 @@ NB_MODULE(_native, m) {
             "alloc",
             [](Space& s, int64_t n) {
                 int64_t* data = nullptr;
-                IdArray ids = new_id_array(static_cast<size_t>(n > 0 ? n : 0), &data);
+                // No buffer for requests beyond capacity: the core answers
+                // those with a shortage before touching it.
+                const bool fits = n > 0 && n <= s.capacity();
+                IdArray ids = new_id_array(static_cast<size_t>(fits ? n : 0), &data);
                 int64_t available = 0, committed = 0;
                 Status st;
                 {
@@ -191,7 +194,8 @@ NB_MODULE(_native, m) {
             [](Space& s, int kind, int64_t nth, int err) {
                 s.inject_fault(static_cast<kvpool::FaultKind>(kind), nth, err);
             },
-            "kind"_a, "nth"_a, "errno"_a, "Test-only: fail the nth next commit (0) or release (1).")
+            "kind"_a, "nth"_a, "errno"_a, nb::call_guard<nb::gil_scoped_release>(),
+            "Test-only: fail the nth next commit (0) or release (1).")
         .def("allocated_bytes", &Space::allocated_bytes, nb::call_guard<nb::gil_scoped_release>(),
              "Bytes the backend really holds (memfd st_blocks on CPU).")
         .def(

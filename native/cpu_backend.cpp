@@ -116,8 +116,14 @@ public:
         // read-only anonymous one: views that outlive the space read zeros and
         // fault on write instead of silently re-allocating memfd pages.
         fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(total_bytes()));
-        if (base_ != nullptr)
-            mmap(base_, total_bytes(), PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+        if (base_ != nullptr &&
+            mmap(base_, total_bytes(), PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) ==
+                MAP_FAILED) {
+            // Could not swap in the inert mapping: unmap instead, so no write
+            // can ever reach the memfd again (stale views then fault).
+            munmap(base_, total_bytes());
+            base_ = nullptr;
+        }
         ::close(fd_);
         fd_ = -1;
     }

@@ -155,11 +155,42 @@ int64_t Space::headroom_locked() const {
     return std::max<int64_t>(0, cfg_.limit_pages - committed);
 }
 
+int64_t Space::headroom_now_locked() const {
+    if (cfg_.limit_pages < 0) return kUnlimited;
+    // A releasing page still holds its memory: no commit may overshoot the
+    // limit while it drains (alloc waits for the release instead).
+    const int64_t committed = n_active_ + n_reserve_ + n_committing_ + n_releasing_;
+    return std::max<int64_t>(0, cfg_.limit_pages - committed);
+}
+
+// Idle committed pages (RESERVE, or COMMITTING by the thread) that may be
+// handed out: all of them, unless a lowered limit puts some above it. Those
+// are on their way back and must not be activated.
+int64_t Space::idle_usable_pages_locked() const {
+    const int64_t idle = n_reserve_ + n_committing_;
+    if (cfg_.limit_pages < 0) return idle;
+    return std::min(idle, std::max<int64_t>(0, cfg_.limit_pages - n_active_));
+}
+
+int64_t Space::idle_usable_cap_locked() const {
+    const int64_t k = idle_usable_pages_locked();
+    if (k == n_reserve_ + n_committing_) return reserve_cap_ + committing_cap_;
+    // Over the limit (rare): the k largest idle pages.
+    std::vector<int32_t> caps;
+    caps.reserve(reserve_.size() + committing_pages_.size());
+    for (int32_t p : reserve_) caps.push_back(pages_[p].cap);
+    for (int32_t p : committing_pages_) caps.push_back(pages_[p].cap);
+    std::sort(caps.rbegin(), caps.rend());
+    int64_t sum = 0;
+    for (int64_t i = 0; i < k; ++i) sum += caps[i];
+    return sum;
+}
+
 // The settled view: in-flight commits count as reserve, in-flight releases as
 // free, so available() never depends on the reserve thread's timing; alloc
 // waits for a transition when it needs the page in flight.
 int64_t Space::available_locked() const {
-    int64_t avail = partial_free_ + reserve_cap_ + committing_cap_;
+    int64_t avail = partial_free_ + idle_usable_cap_locked();
     int64_t k = headroom_locked();
     std::vector<int32_t> rel = releasing_caps_;
     std::sort(rel.rbegin(), rel.rend());
@@ -273,13 +304,33 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
     if (closed_) return Status::make(Code::Closed, "space is closed");
     if (n < 0) return Status::make(Code::Invalid, "alloc: n must be >= 0, got " + std::to_string(n));
     if (n == 0) return Status::ok();
+    if (n > capacity_) {  // checked before `out` is touched: the caller may pass no buffer
+        ++counters_.shortages;
+        *available = available_locked();
+        return Status::make(Code::Shortage, "requested " + std::to_string(n) + " blocks, the space holds " +
+                                                std::to_string(capacity_));
+    }
 
     std::vector<int32_t> plan;  // FREE pages this call must commit
+    int64_t idle_pages = 0;     // idle pages this call may activate
     while (true) {
         plan.clear();
-        const int64_t usable = partial_free_ + reserve_cap_;
+        idle_pages = idle_usable_pages_locked();
+        const bool idle_limited = idle_pages < n_reserve_ + n_committing_;
+        // A page the thread is still committing is only usable once it lands.
+        const int64_t idle_now = std::min<int64_t>(idle_pages, n_reserve_);
+        int64_t usable = partial_free_;
+        if (!idle_limited && idle_now == n_reserve_) {
+            usable += reserve_cap_;
+        } else {
+            // Over a lowered limit: hand out only the largest idle pages within
+            // it; order the stack so they are consumed first (rare path).
+            std::sort(reserve_.begin(), reserve_.end(),
+                      [this](int32_t a, int32_t b) { return pages_[a].cap < pages_[b].cap; });
+            for (int64_t i = 0; i < idle_now; ++i) usable += pages_[reserve_[reserve_.size() - 1 - i]].cap;
+        }
         if (n > usable) {
-            int64_t need = n - usable, k = headroom_locked();
+            int64_t need = n - usable, k = headroom_now_locked();
             for (const auto& bucket : free_by_cap_) {
                 for (size_t i = bucket.second.size(); i-- > 0 && need > 0 && k > 0;) {
                     plan.push_back(bucket.second[i]);
@@ -402,9 +453,12 @@ Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int
         if (bad->size() > 16) why += "; and " + std::to_string(bad->size() - 16) + " more";
         return Status::make(Code::Invalid, "free: nothing freed: " + why);
     }
-    for (int64_t i = 0; i < n; ++i) return_block_locked(ids[i]);
+    // Apply the validated copy, never the caller's buffer again: it may
+    // change under us (the GIL is released).
+    for (int64_t id : marked) return_block_locked(id);
     used_ -= n;
     ++counters_.frees;
+    commit_retry_at_ = {};  // memory came back: a failed refill may work now
     if (cfg_.reserve_thread) {
         if (thread_has_work_locked()) cv_.notify_all();
     } else {
@@ -465,6 +519,7 @@ Status Space::trim(int64_t* released) {
         ++*released;
     }
     reserve_.insert(reserve_.end(), kept.rbegin(), kept.rend());
+    commit_retry_at_ = {};
     cv_.notify_all();
     return result;
 }
@@ -488,7 +543,7 @@ Status Space::set_reserve(int64_t min_pages, int64_t max_pages) {
                                                " max=" + std::to_string(max_pages));
     cfg_.reserve_min = min_pages;
     cfg_.reserve_max = max_pages;
-    thread_backoff_ = false;
+    commit_retry_at_ = {};
     if (cfg_.reserve_thread) cv_.notify_all();
     else release_inline_locked();
     return Status::ok();
@@ -540,11 +595,12 @@ int64_t Space::allocated_bytes() {
 // page COMMITTING/RELEASING, unlocks, runs the syscall, relocks.
 
 bool Space::thread_has_work_locked() const {
-    if (n_reserve_ > 0 && cfg_.limit_pages >= 0 && n_active_ + n_reserve_ + n_committing_ > cfg_.limit_pages)
-        return true;
-    if (n_reserve_ > cfg_.reserve_max) return true;
-    if (thread_backoff_) return false;
-    return n_reserve_ + n_committing_ < cfg_.reserve_min && headroom_locked() > 0 && !free_by_cap_.empty();
+    const auto now = std::chrono::steady_clock::now();
+    const bool over_limit =
+        n_reserve_ > 0 && cfg_.limit_pages >= 0 && n_active_ + n_reserve_ + n_committing_ > cfg_.limit_pages;
+    if ((over_limit || n_reserve_ > cfg_.reserve_max) && now >= release_retry_at_) return true;
+    return now >= commit_retry_at_ && n_reserve_ + n_committing_ < cfg_.reserve_min && headroom_now_locked() > 0 &&
+           !free_by_cap_.empty();
 }
 
 void Space::signal_eventfd() {
@@ -555,11 +611,15 @@ void Space::signal_eventfd() {
 }
 
 void Space::thread_main() {
+    using clock = std::chrono::steady_clock;
+    constexpr auto kRetry = std::chrono::milliseconds(200);
     std::unique_lock<std::mutex> lk(mu_);
     while (!stop_) {
+        const auto now = clock::now();
         const bool over_limit = n_reserve_ > 0 && cfg_.limit_pages >= 0 &&
                                 n_active_ + n_reserve_ + n_committing_ > cfg_.limit_pages;
-        if (over_limit || n_reserve_ > cfg_.reserve_max) {
+        const bool want_release = over_limit || n_reserve_ > cfg_.reserve_max;
+        if (want_release && now >= release_retry_at_) {
             const int32_t p = reserve_.back();
             reserve_.pop_back();
             Page& pg = pages_[p];
@@ -578,20 +638,19 @@ void Space::thread_main() {
                 pg.state = PageState::Free;
                 free_push(p);
                 ++counters_.releases;
+                signal_eventfd();  // budget came back: a waiter under a limit may fit now
             } else {
                 ++counters_.release_failures;
                 counters_.last_error = s.message;
                 to_reserve_locked(p);
-                cv_.notify_all();
-                cv_.wait_for(lk, std::chrono::milliseconds(100));
-                continue;
+                release_retry_at_ = clock::now() + kRetry;  // notifications do not shorten this
             }
-            signal_eventfd();  // budget came back: a waiter under a limit may fit now
             cv_.notify_all();
             continue;
         }
-        if (!thread_backoff_ && n_reserve_ + n_committing_ < cfg_.reserve_min && headroom_locked() > 0 &&
-            !free_by_cap_.empty()) {
+        const bool want_commit = n_reserve_ + n_committing_ < cfg_.reserve_min && headroom_now_locked() > 0 &&
+                                 !free_by_cap_.empty();
+        if (want_commit && now >= commit_retry_at_) {
             auto& bucket = free_by_cap_.front();  // largest capacity first, as available() counts
             const int32_t p = bucket.second.back();
             bucket.second.pop_back();
@@ -600,12 +659,14 @@ void Space::thread_main() {
             pg.state = PageState::Committing;
             ++n_committing_;
             committing_cap_ += pg.cap;
+            committing_pages_.push_back(p);
             const int err = consume_fault_locked(FaultKind::Commit);
             lk.unlock();
             Status s = do_commit(p, err);
             lk.lock();
             --n_committing_;
             committing_cap_ -= pg.cap;
+            committing_pages_.erase(std::find(committing_pages_.begin(), committing_pages_.end(), p));
             if (s.is_ok()) {
                 to_reserve_locked(p);
                 ++counters_.commits;
@@ -615,19 +676,19 @@ void Space::thread_main() {
                 free_push(p);
                 ++counters_.commit_failures;
                 counters_.last_error = s.message;
-                // Out of memory or a failing backend: stop refilling until
-                // something changes (a free, a trim, a new reserve setting).
-                thread_backoff_ = true;
+                // Out of memory or a failing backend: retry later, or sooner
+                // if a free/trim/new reserve setting resets the deadline.
+                commit_retry_at_ = clock::now() + kRetry;
             }
             cv_.notify_all();
             continue;
         }
-        cv_.notify_all();  // wake settle() waiters: nothing left to do
-        cv_.wait(lk);
-        if (thread_backoff_ && n_reserve_ + n_committing_ < cfg_.reserve_min) {
-            // Woken by activity: try again once.
-            thread_backoff_ = false;
-        }
+        cv_.notify_all();  // wake settle() waiters: nothing to do now
+        auto wake_at = clock::time_point::max();
+        if (want_release) wake_at = std::min(wake_at, release_retry_at_);
+        if (want_commit) wake_at = std::min(wake_at, commit_retry_at_);
+        if (wake_at == clock::time_point::max()) cv_.wait(lk);
+        else cv_.wait_until(lk, wake_at);
     }
 }
 
@@ -641,14 +702,13 @@ bool Space::settle(double timeout_s) {
     return true;
 }
 
-bool Space::closed() {
-    std::lock_guard<std::mutex> lk(mu_);
-    return closed_;
-}
-
 void Space::close() {
     std::unique_lock<std::mutex> lk(mu_);
-    if (closed_) return;
+    if (closed_) {
+        // Another caller is closing: return only once memory is really back.
+        cv_.wait(lk, [this] { return close_done_; });
+        return;
+    }
     closed_ = true;
     stop_ = true;
     cv_.notify_all();
@@ -658,6 +718,7 @@ void Space::close() {
     backend_->close();  // gives every committed byte back
     if (efd_ >= 0) ::close(efd_);
     efd_ = -1;
+    close_done_ = true;
     cv_.notify_all();
 }
 

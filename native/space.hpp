@@ -7,6 +7,8 @@
 // plus two transient states (COMMITTING, RELEASING) owned by the reserve
 // thread while it runs a syscall without holding the lock.
 #pragma once
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -85,7 +87,7 @@ public:
     const SpaceConfig& config() const { return cfg_; }
     int64_t capacity() const { return capacity_; }
     int64_t num_pages() const { return static_cast<int64_t>(pages_.size()); }
-    bool closed();
+    bool closed() const { return closed_.load(std::memory_order_acquire); }
     void close();
 
 private:
@@ -109,7 +111,10 @@ private:
     int32_t bucket_find_max() const;
     void free_push(int32_t p);
     void free_remove(int32_t p);
-    int64_t headroom_locked() const;
+    int64_t headroom_locked() const;      // settled view: releasing pages count as free
+    int64_t headroom_now_locked() const;  // physical: what a commit may add right now
+    int64_t idle_usable_pages_locked() const;
+    int64_t idle_usable_cap_locked() const;
     int64_t available_locked() const;
     void activate_locked(int32_t p);
     void take_locked(int32_t p, int64_t k, int64_t*& out);
@@ -139,14 +144,19 @@ private:
     std::vector<std::pair<int32_t, std::vector<int32_t>>> free_by_cap_;
     std::vector<int32_t> reserve_;       // RESERVE pages, a stack
     std::vector<int32_t> releasing_caps_;
+    std::vector<int32_t> committing_pages_;
     int64_t partial_free_ = 0, reserve_cap_ = 0, committing_cap_ = 0;
     int64_t n_active_ = 0, n_reserve_ = 0, n_committing_ = 0, n_releasing_ = 0;
     int64_t used_ = 0;
     int64_t fault_nth_[2] = {0, 0};
     int fault_err_[2] = {0, 0};
-    bool thread_backoff_ = false;
+    // After a failed commit/release the thread retries no earlier than these
+    // (a free, trim or new reserve setting resets the commit deadline).
+    std::chrono::steady_clock::time_point commit_retry_at_{}, release_retry_at_{};
     bool stop_ = false;
-    bool closed_ = false;
+    // Atomic so that `closed` is readable without the mutex (and the GIL).
+    std::atomic<bool> closed_{false};
+    bool close_done_ = false;
     SpaceStats counters_;
     int efd_ = -1;
     std::thread thread_;

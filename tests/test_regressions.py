@@ -1,0 +1,68 @@
+"""Regression tests, each named after the bug it pins (found in review of the native core)."""
+
+from __future__ import annotations
+
+import errno
+import time
+
+import pytest
+
+from kvpool import Geometry, KVSpace, PoolExhausted
+
+from .conftest import KiB
+
+G = Geometry(2, 2, 4 * KiB, 256, page_bytes=16 * KiB)  # 4 blocks a page
+
+
+def test_idle_pages_above_a_lowered_limit_are_not_handed_out() -> None:
+    # Bug: after set_limit below the committed pages, available() and alloc
+    # still counted the idle reserve, so alloc(12) grew a 1-page tenant to 4
+    # active pages and available() depended on the reserve thread's timing.
+    with KVSpace(G, reserve=(4, 8)) as space:
+        assert space.settle(5)
+        space.alloc(3)  # one active page with one free block
+        assert space.settle(5)
+        space.set_limit(1 * G.page_commit_bytes)
+        assert space.available() == 1  # only the hole on the active page
+        with pytest.raises(PoolExhausted):
+            space.alloc(2)
+        assert len(space.alloc(1)) == 1
+        assert space.settle(5)
+        st = space.stats()
+        assert st.pages_active == 1 and st.pages_reserve == 0
+        assert space.allocated_bytes() == G.page_commit_bytes
+
+
+def test_one_failed_refill_does_not_stop_the_reserve_thread_for_good() -> None:
+    # Bug: a commit failure in the reserve thread set a back-off flag that
+    # nothing ever cleared; the reserve stayed below its minimum.
+    with KVSpace(G, reserve=(1, 1)) as space:
+        assert space.settle(5)
+        space._inject_fault("commit", 1, errno.ENOSPC)
+        space.trim()  # the thread refills, and that commit fails
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            space.settle(5)
+            if space.stats().pages_reserve == 1:
+                break
+            time.sleep(0.05)
+        st = space.stats()
+        assert st.commit_failures == 1
+        assert st.pages_reserve == 1
+
+
+def test_alloc_far_beyond_capacity_is_a_shortage_not_a_memory_error() -> None:
+    # Bug: the binding allocated the id buffer before asking the core, so
+    # alloc(10**11) raised MemoryError instead of PoolExhausted.
+    with KVSpace(G, reserve_thread=False, reserve=(0, 0)) as space:
+        with pytest.raises(PoolExhausted) as err:
+            space.alloc(10**11)
+        assert err.value.requested == 10**11
+        assert err.value.available == G.capacity
+
+
+def test_a_geometry_beyond_64_bit_offsets_is_refused() -> None:
+    from kvpool import GeometryError
+
+    with pytest.raises(GeometryError, match="64-bit"):
+        Geometry(1, 1, 1 << 40, 1 << 30, page_bytes=1 << 41)
