@@ -196,7 +196,7 @@ class KVCacheManager:
 
     def _grant_now(self, n: int) -> BlockIds:
         ids, committed = self.space._alloc(n)
-        if committed:
+        if committed and tracing.enabled(tracing.DEBUG):
             self._log.debug("pages.committed", pages=committed, by="alloc")
         return ids
 
@@ -216,7 +216,8 @@ class KVCacheManager:
             self._log.info("alloc.shortage", requested=n, available=e.available, waiting=0)
             raise
         self._counts["at_once"] += 1
-        self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
+        if tracing.enabled(tracing.DEBUG):
+            self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
         return ids
 
     async def alloc(self, n: int, *, timeout: float | None = None, priority: int = 0) -> BlockIds:
@@ -239,7 +240,8 @@ class KVCacheManager:
                 pass
             else:
                 self._counts["at_once"] += 1
-                self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
+                if tracing.enabled(tracing.DEBUG):
+                    self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
                 await anyio.lowlevel.cancel_shielded_checkpoint()
                 return ids
         w = Waiter(n, priority)
@@ -314,13 +316,13 @@ class KVCacheManager:
         while len(self._queue) and not self._closed:
             batch = self._queue.take_prefix(self.space.available())
             if not batch:
-                return
+                break
             total = sum(w.n for w in batch)
             try:
                 ids = self._grant_now(total)
             except PoolExhausted:
                 self._queue.push_front(batch)  # e.g. out of memory at commit: wait for the next wake-up
-                return
+                break
             except KVPoolError as e:
                 for w in batch:
                     w.state, w.error = WaiterState.GONE, e
@@ -332,6 +334,16 @@ class KVCacheManager:
                 off += w.n
                 w.state = WaiterState.GRANTED
                 self._wake(w)
+        self._ensure_watcher()
+
+    def _ensure_watcher(self) -> None:
+        # The watcher role is handed to the head when the watcher leaves; if
+        # that head was granted before it ran, nobody would watch the eventfd
+        # any more. Rouse the current head so one waiter always watches.
+        if self._watcher is None:
+            head = self._queue.head()
+            if head is not None:
+                head.rouse()
 
     def _wake(self, w: Waiter) -> None:
         w.rouse()
@@ -349,9 +361,10 @@ class KVCacheManager:
         if self._closed:
             raise PoolClosed(f"manager {self.name!r} is closed")
         n, released = self.space._free(blocks)
-        self._log.debug("free", n=n)
-        if released:
-            self._log.debug("pages.released", pages=released, by="free")
+        if tracing.enabled(tracing.DEBUG):  # per-request events stay cheap when filtered
+            self._log.debug("free", n=n)
+            if released:
+                self._log.debug("pages.released", pages=released, by="free")
         self._dispatch()
         if self._limit_state is LimitState.DEFERRED:
             self._refresh_limit_state()

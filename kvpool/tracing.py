@@ -21,10 +21,16 @@ from typing import Any
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
-__all__ = ["bind_request", "capture", "get_logger", "configure"]
+__all__ = ["DEBUG", "INFO", "bind_request", "capture", "configure", "enabled", "get_logger"]
 
+DEBUG, INFO = 10, 20
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 _state: dict[str, Any] = {"level": 30}
+
+
+def enabled(level: int) -> bool:
+    """Whether events of ``level`` are emitted: hot paths skip building them otherwise."""
+    return bool(level >= _state["level"])
 
 
 def _filter_level(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
@@ -95,9 +101,11 @@ def capture() -> Iterator[list[MutableMapping[str, Any]]]:
         events.append(dict(event))
         raise structlog.DropEvent
 
-    saved = list(_PROCESSORS)
+    saved, saved_level = list(_PROCESSORS), _state["level"]
     _PROCESSORS[:] = [structlog.contextvars.merge_contextvars, _default_request_id, keep]
+    _state["level"] = 0
     try:
         yield events
     finally:
         _PROCESSORS[:] = saved
+        _state["level"] = saved_level

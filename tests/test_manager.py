@@ -166,7 +166,9 @@ async def test_cancel_before_grant_removes_the_waiter_and_unblocks_those_behind(
         await let_tasks_park()
         assert got == []
         big_scope.cancel()  # the head leaves: the waiter behind it fits now
-        await let_tasks_park()
+        with anyio.fail_after(5):
+            while not got:
+                await anyio.lowlevel.checkpoint()
     assert sorted(got) == sorted(held[:2].tolist())
     assert manager.waiting == 0
 
@@ -226,6 +228,33 @@ async def test_reservation_hands_out_blocks_and_returns_the_rest(manager: KVCach
     r2.take(2)
     r2.close()
     assert manager.stats().used_blocks == 12
+
+
+async def test_the_eventfd_watcher_role_survives_a_granted_heir() -> None:
+    # Bug (found by the async benchmark): the watcher, when granted, handed
+    # its role to the head; a second free granted that head before it ran, and
+    # nobody watched the eventfd any more: native-only capacity never arrived.
+    g = Geometry(1, 1, 4 * KiB, 64, page_bytes=64 * KiB)
+    async with KVCacheManager(g, reserve=(0, 0), limit_bytes=g.page_commit_bytes) as m:
+        held = m.alloc_nowait(16)  # exhausted under the 1-page limit
+        got: list[int] = []
+
+        async def want(n: int) -> None:
+            got.extend((await m.alloc(n)).tolist())
+
+        async with anyio.create_task_group() as tg:
+            for n in (1, 1, 4):
+                tg.start_soon(want, n)
+                await let_tasks_park()
+            m.free(held[:1])  # the watcher is granted and hands over to the next head
+            await anyio.lowlevel.checkpoint()
+            m.free(held[1:2])  # ... which is granted before it ran
+            await let_tasks_park()
+            m.space.set_limit(None)  # capacity only the eventfd reports
+            with anyio.fail_after(5):
+                while len(got) < 6:
+                    await anyio.sleep(0.001)
+        assert m.waiting == 0
 
 
 async def test_wakeups_from_native_capacity_reach_waiters_through_the_eventfd() -> None:
