@@ -27,6 +27,18 @@ def test_native_benchmark_runs_and_writes_its_ratios(tmp_path: pathlib.Path) -> 
     assert "ratio" in text
 
 
+@pytest.mark.timeout(120)
+def test_async_benchmark_runs_and_writes_its_ratios(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "bench.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_async.py"), "--quick", "--json", str(out)],
+        check=True, cwd=tmp_path, capture_output=True,
+    )
+    text = out.read_text()
+    data = json.loads(text)
+    assert data and "ratio" in text
+
+
 @pytest.mark.timeout(300)
 def test_package_passes_mypy_strict() -> None:
     if shutil.which("mypy") is None and not _has_module("mypy"):
