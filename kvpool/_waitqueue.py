@@ -104,12 +104,15 @@ class WaitQueue:
         """Would a new arrival of ``priority`` queue behind someone?"""
         return bool(self._order) and self._order[0] <= priority
 
-    def push(self, w: Waiter) -> None:
-        q = self._classes.get(w.priority)
+    def _class(self, priority: int) -> deque[Waiter]:
+        q = self._classes.get(priority)
         if q is None:
-            q = self._classes[w.priority] = deque()
-            bisect.insort(self._order, w.priority)
-        q.append(w)
+            q = self._classes[priority] = deque()
+            bisect.insort(self._order, priority)
+        return q
+
+    def push(self, w: Waiter) -> None:
+        self._class(w.priority).append(w)
         self._blocks += w.n
 
     def remove(self, w: Waiter) -> bool:
@@ -147,11 +150,7 @@ class WaitQueue:
     def push_front(self, batch: list[Waiter]) -> None:
         """Undo ``take_prefix`` (the grant failed): same order, same place."""
         for w in reversed(batch):
-            q = self._classes.get(w.priority)
-            if q is None:
-                q = self._classes[w.priority] = deque()
-                bisect.insort(self._order, w.priority)
-            q.appendleft(w)
+            self._class(w.priority).appendleft(w)
             self._blocks += w.n
 
     def drain(self) -> list[Waiter]:
