@@ -59,6 +59,21 @@ class Space:
     def region(self, region: int) -> Annotated[NDArray[numpy.uint8], dict(shape=(None,))]:
         """Region memory as a DLPack-capable byte array."""
 
+    def report_waiting(self, waiting: int) -> None: ...
+
+    def limit_pages(self) -> int: ...
+
+    def ledger_limit(self) -> tuple[int, int]:
+        """
+        (limit bytes, revision) in the pool for this tenant; (-1, -1) without a pool.
+        """
+
+    def set_pool_limit(self, limit_bytes: int, revision: int) -> int:
+        """0 applied, 1 stale, 2 conflict, 3 same; -1 without a pool."""
+
+    @property
+    def tenant_slot(self) -> int: ...
+
     @property
     def eventfd(self) -> int: ...
 
@@ -73,5 +88,37 @@ class Space:
 
     def close(self) -> None: ...
 
-def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, limit_pages: int, device: str) -> tuple[int, str, object]:
-    """Create a KV space: (code, message, Space | None)."""
+class Ledger:
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def committed_total(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    def tenants(self) -> list[tuple[int, int, str, int, int, int, int, int, int]]:
+        """
+        (slot, pid, name, committed, limit, limit_revision, limit_state, waiting, reserve_pages) per live tenant.
+        """
+
+    def set_limit(self, tenant: str, limit_bytes: int, revision: int) -> tuple[int, int, str]:
+        """
+        (code, result: 0 applied 1 stale 2 conflict 3 same, message); revision < 0 = next.
+        """
+
+    def reap(self) -> int: ...
+
+def open_ledger(name: str, capacity: int, create: bool) -> tuple[int, str, object]:
+    """Open (or create) a pool ledger: (code, message, Ledger | None)."""
+
+def valid_pool_name(name: str) -> bool: ...
+
+def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, limit_pages: int, device: str, ledger: Ledger | None, tenant: str) -> tuple[int, str, object]:
+    """
+    Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None).
+    """

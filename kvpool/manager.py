@@ -41,13 +41,14 @@ from . import tracing
 from ._waitqueue import WaitQueue, Waiter, WaiterState
 from .errors import KVPoolError, PoolClosed, PoolExhausted
 from .geometry import Geometry
+from .pool import Pool
 from .space import BlockIds, KVSpace, PageInfo, SpaceStats
 
 __all__ = ["Blocks", "KVCacheManager", "LimitState", "ManagerStats", "Reservation"]
 
 Blocks = BlockIds
 _EMPTY: BlockIds = np.empty(0, dtype=np.int64)
-_names = itertools.count()
+_names = itertools.count(1000)
 
 
 class LimitState(str, Enum):
@@ -155,7 +156,7 @@ class KVCacheManager:
         self,
         geometry: Geometry,
         *,
-        pool: str = "default",
+        pool: Pool | str | None = "default",
         device: str = "cpu",
         name: str | None = None,
         null_block: bool = False,
@@ -163,12 +164,13 @@ class KVCacheManager:
         reserve_thread: bool = True,
         limit_bytes: int | None = None,
     ) -> None:
-        self.pool = pool
         self.name = name if name is not None else f"{os.getpid()}-{next(_names)}"
         self.space = KVSpace(
             geometry, device=device, null_block=null_block, reserve=reserve,
-            reserve_thread=reserve_thread, limit_bytes=limit_bytes,
+            reserve_thread=reserve_thread, limit_bytes=limit_bytes, pool=pool, name=self.name,
         )
+        self.pool = self.space.pool.name if self.space.pool is not None else "-"
+
         self.geometry = geometry
         self._usable = geometry.capacity - (1 if null_block else 0)
         self._queue = WaitQueue()

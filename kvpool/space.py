@@ -6,6 +6,7 @@ This is the thin wrapper of the foundation: every method is one native call
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -20,12 +21,14 @@ import torch.utils.dlpack
 from . import _core
 from .errors import GeometryError, InvalidBlocks, PoolClosed
 from .geometry import Geometry
+from .pool import Pool
 
 __all__ = ["KVSpace", "PageInfo", "SpaceStats"]
 
 BlockIds = npt.NDArray[np.int64]
 PageStateName = Literal["free", "committing", "reserve", "active", "releasing"]
 _STATE_NAMES: tuple[PageStateName, ...] = ("free", "committing", "reserve", "active", "releasing")
+_tenant_ids = itertools.count()
 _FAULT_KINDS = {"commit": 0, "release": 1}
 
 
@@ -106,6 +109,8 @@ class KVSpace:
         reserve: tuple[int, int] = (1, 2),
         reserve_thread: bool = True,
         limit_bytes: int | None = None,
+        pool: Pool | str | None = None,
+        name: str | None = None,
     ) -> None:
         if not isinstance(geometry, Geometry):
             raise TypeError(f"geometry must be a kvpool.Geometry, got {type(geometry).__name__}")
@@ -125,9 +130,12 @@ class KVSpace:
         self.device = device
         self.null_block = null_block
         limit_pages = self._limit_pages(limit_bytes)
+        self.pool = Pool(pool) if isinstance(pool, str) else pool
+        self.name = name if name is not None else f"{os.getpid()}-{next(_tenant_ids)}"
         code, msg, space = _core.native.create_space(
             geometry.num_regions, geometry.page_bytes, geometry.region_block_bytes, geometry.blocks,
             null_block, lo, hi, reserve_thread, limit_pages, device,
+            self.pool._ledger if self.pool is not None else None, self.name,
         )
         if space is None:
             _core.raise_status(code, f"cannot create KV space: {msg}")

@@ -6,6 +6,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
@@ -14,11 +15,13 @@
 
 #include "backend.hpp"
 #include "geometry.hpp"
+#include "ledger.hpp"
 #include "space.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 using kvpool::Code;
+using kvpool::Ledger;
 using kvpool::Space;
 using kvpool::Status;
 
@@ -209,17 +212,87 @@ NB_MODULE(_native, m) {
                                                          nb::dtype<uint8_t>(), s.device_type(), s.device_id());
             },
             "region"_a, nb::rv_policy::reference_internal, "Region memory as a DLPack-capable byte array.")
+        .def("report_waiting", &Space::report_waiting, "waiting"_a, nb::call_guard<nb::gil_scoped_release>())
+        .def("limit_pages", &Space::limit_pages, nb::call_guard<nb::gil_scoped_release>())
+        .def(
+            "ledger_limit",
+            [](Space& s) {
+                Ledger* l = s.ledger();
+                if (!l) return std::make_tuple(int64_t{-1}, int64_t{-1});
+                return std::make_tuple(l->limit(s.tenant_slot()), l->limit_revision(s.tenant_slot()));
+            },
+            "(limit bytes, revision) in the pool for this tenant; (-1, -1) without a pool.")
+        .def(
+            "set_pool_limit",
+            [](Space& s, int64_t bytes, int64_t revision) {
+                Ledger* l = s.ledger();
+                if (!l) return -1;
+                nb::gil_scoped_release nogil;
+                return static_cast<int>(l->set_limit(s.tenant_slot(), bytes, revision));
+            },
+            "limit_bytes"_a, "revision"_a, "0 applied, 1 stale, 2 conflict, 3 same; -1 without a pool.")
+        .def_prop_ro("tenant_slot", &Space::tenant_slot)
         .def_prop_ro("eventfd", &Space::eventfd)
         .def_prop_ro("num_pages", &Space::num_pages)
         .def_prop_ro("capacity", &Space::capacity)
         .def_prop_ro("closed", &Space::closed)
         .def("close", &Space::close, nb::call_guard<nb::gil_scoped_release>());
 
+    nb::class_<Ledger>(m, "Ledger")
+        .def_prop_ro("name", &Ledger::name)
+        .def_prop_ro("capacity", &Ledger::capacity)
+        .def_prop_ro("committed_total", &Ledger::committed_total)
+        .def_prop_ro("generation", &Ledger::generation)
+        .def(
+            "tenants",
+            [](Ledger& l) {
+                std::vector<kvpool::TenantInfo> ts;
+                {
+                    nb::gil_scoped_release nogil;
+                    ts = l.tenants();
+                }
+                std::vector<std::tuple<int, int, std::string, int64_t, int64_t, int64_t, int, int, int64_t>> out;
+                for (const auto& t : ts)
+                    out.emplace_back(t.slot, t.pid, t.name, t.committed, t.limit, t.limit_revision, t.limit_state,
+                                     t.waiting, t.reserve_pages);
+                return out;
+            },
+            "(slot, pid, name, committed, limit, limit_revision, limit_state, waiting, reserve_pages) per live tenant.")
+        .def(
+            "set_limit",
+            [](Ledger& l, const std::string& tenant, int64_t bytes, int64_t revision) {
+                kvpool::LimitResult r = kvpool::LimitResult::Stale;
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = l.set_limit_by_name(tenant, bytes, revision, &r);
+                }
+                return std::make_tuple(static_cast<int>(st.code), static_cast<int>(r), st.message);
+            },
+            "tenant"_a, "limit_bytes"_a, "revision"_a,
+            "(code, result: 0 applied 1 stale 2 conflict 3 same, message); revision < 0 = next.")
+        .def("reap", &Ledger::reap, nb::call_guard<nb::gil_scoped_release>());
+
+    m.def(
+        "open_ledger",
+        [](const std::string& name, int64_t capacity, bool create) {
+            Status st;
+            std::shared_ptr<Ledger> l;
+            {
+                nb::gil_scoped_release nogil;
+                l = Ledger::open(name, capacity, create, &st);
+            }
+            nb::object obj = l ? nb::cast(l) : nb::none();
+            return std::make_tuple(static_cast<int>(st.code), st.message, obj);
+        },
+        "name"_a, "capacity"_a, "create"_a, "Open (or create) a pool ledger: (code, message, Ledger | None).");
+    m.def("valid_pool_name", &kvpool::valid_pool_name, "name"_a);
+
     m.def(
         "create_space",
         [](int64_t num_regions, int64_t page_bytes, int64_t block_bytes, int64_t num_blocks, bool null_block,
            int64_t reserve_min, int64_t reserve_max, bool reserve_thread, int64_t limit_pages,
-           const std::string& device) {
+           const std::string& device, std::shared_ptr<Ledger> ledger, const std::string& tenant) {
             Status st;
             std::unique_ptr<Space> space;
             {
@@ -242,12 +315,15 @@ NB_MODULE(_native, m) {
                 } else {
                     st = Status::make(Code::Invalid, "unknown device '" + device + "'");
                 }
-                if (backend) space = Space::create(cfg, std::move(backend), &st);
+                int slot = -1;
+                if (backend && ledger) st = ledger->register_tenant(tenant, &slot);
+                if (backend && st.is_ok()) space = Space::create(cfg, std::move(backend), ledger, slot, &st);
+                if (!space && slot >= 0) ledger->unregister_tenant(slot);
             }
             nb::object obj = space ? nb::cast(std::move(space)) : nb::none();
             return std::make_tuple(static_cast<int>(st.code), st.message, obj);
         },
         "num_regions"_a, "page_bytes"_a, "block_bytes"_a, "num_blocks"_a, "null_block"_a, "reserve_min"_a,
-        "reserve_max"_a, "reserve_thread"_a, "limit_pages"_a, "device"_a,
-        "Create a KV space: (code, message, Space | None).");
+        "reserve_max"_a, "reserve_thread"_a, "limit_pages"_a, "device"_a, "ledger"_a.none(), "tenant"_a,
+        "Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None).");
 }

@@ -22,17 +22,21 @@ std::string fault_text(const char* what, int64_t page, int err) {
 }
 }  // namespace
 
-Space::Space(const SpaceConfig& cfg, std::unique_ptr<Backend> backend)
-    : cfg_(cfg), backend_(std::move(backend)) {}
+Space::Space(const SpaceConfig& cfg, std::unique_ptr<Backend> backend, std::shared_ptr<Ledger> ledger, int slot)
+    : cfg_(cfg),
+      backend_(std::move(backend)),
+      ledger_(std::move(ledger)),
+      slot_(slot),
+      pcb_(cfg.num_regions * cfg.page_bytes) {}
 
 std::unique_ptr<Space> Space::create(const SpaceConfig& cfg, std::unique_ptr<Backend> backend,
-                                     Status* status) {
+                                     std::shared_ptr<Ledger> ledger, int slot, Status* status) {
     if (cfg.page_bytes <= 0 || cfg.block_bytes <= 0 || cfg.num_blocks <= 0 || cfg.num_regions <= 0 ||
         cfg.block_bytes > cfg.page_bytes || cfg.reserve_min < 0 || cfg.reserve_max < cfg.reserve_min) {
         *status = Status::make(Code::Invalid, "invalid space configuration");
         return nullptr;
     }
-    std::unique_ptr<Space> s(new Space(cfg, std::move(backend)));
+    std::unique_ptr<Space> s(new Space(cfg, std::move(backend), std::move(ledger), slot));
     *status = s->init();
     if (!status->is_ok()) return nullptr;
     return s;
@@ -77,6 +81,7 @@ Status Space::init() {
         if (id != 0) return Status::make(Code::Invalid, "null block is not block 0");
     }
     if (cfg_.reserve_thread) thread_ = std::thread([this] { thread_main(); });
+    if (ledger_) watcher_ = std::thread([this] { watcher_main(); });
     return Status::ok();
 }
 
@@ -149,18 +154,67 @@ void Space::free_remove(int32_t p) {
 
 // ------------------------------------------------------------- accounting
 
+int64_t Space::limit_pages_locked() const {
+    int64_t lim = cfg_.limit_pages;
+    if (ledger_) {
+        const int64_t bytes = ledger_->limit(slot_);
+        if (bytes >= 0) lim = lim < 0 ? bytes / pcb_ : std::min(lim, bytes / pcb_);
+    }
+    return lim;
+}
+
+int64_t Space::limit_pages() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return limit_pages_locked();
+}
+
+// Pages the pool would let this tenant claim now (pool room and its limit).
+int64_t Space::ledger_room_pages_locked() const {
+    return ledger_ ? ledger_->room(slot_) / pcb_ : kUnlimited;
+}
+
 int64_t Space::headroom_locked() const {
-    if (cfg_.limit_pages < 0) return kUnlimited;
-    const int64_t committed = n_active_ + n_reserve_ + n_committing_;
-    return std::max<int64_t>(0, cfg_.limit_pages - committed);
+    int64_t h = kUnlimited;
+    const int64_t lim = limit_pages_locked();
+    if (lim >= 0) h = std::max<int64_t>(0, lim - (n_active_ + n_reserve_ + n_committing_));
+    // Pages being released are still claimed in the pool; settled, they are back.
+    if (ledger_) h = std::min(h, ledger_room_pages_locked() + n_releasing_);
+    return h;
 }
 
 int64_t Space::headroom_now_locked() const {
-    if (cfg_.limit_pages < 0) return kUnlimited;
+    int64_t h = kUnlimited;
+    const int64_t lim = limit_pages_locked();
     // A releasing page still holds its memory: no commit may overshoot the
     // limit while it drains (alloc waits for the release instead).
-    const int64_t committed = n_active_ + n_reserve_ + n_committing_ + n_releasing_;
-    return std::max<int64_t>(0, cfg_.limit_pages - committed);
+    if (lim >= 0) h = std::max<int64_t>(0, lim - (n_active_ + n_reserve_ + n_committing_ + n_releasing_));
+    if (ledger_) h = std::min(h, ledger_room_pages_locked());
+    return h;
+}
+
+bool Space::claim_locked(int64_t pages, Status* status) {
+    if (!ledger_ || pages == 0) return true;
+    *status = ledger_->claim(slot_, pages * pcb_);
+    return status->is_ok();
+}
+
+void Space::unclaim_locked(int64_t pages) {
+    if (ledger_ && pages > 0) ledger_->release(slot_, pages * pcb_);
+}
+
+void Space::report_locked() {
+    if (!ledger_) return;
+    const int64_t lim = ledger_->limit(slot_);
+    const int64_t committed = (n_active_ + n_reserve_ + n_releasing_) * pcb_;
+    ledger_->report(slot_, (lim < 0 || committed <= lim) ? 0 : 1, waiting_.load(), n_reserve_);
+}
+
+void Space::report_waiting(int32_t waiting) {
+    waiting_.store(waiting);
+    if (ledger_) {
+        std::lock_guard<std::mutex> lk(mu_);
+        report_locked();
+    }
 }
 
 // Idle committed pages (RESERVE, or COMMITTING by the thread) that may be
@@ -168,8 +222,9 @@ int64_t Space::headroom_now_locked() const {
 // are on their way back and must not be activated.
 int64_t Space::idle_usable_pages_locked() const {
     const int64_t idle = n_reserve_ + n_committing_;
-    if (cfg_.limit_pages < 0) return idle;
-    return std::min(idle, std::max<int64_t>(0, cfg_.limit_pages - n_active_));
+    const int64_t lim = limit_pages_locked();
+    if (lim < 0) return idle;
+    return std::min(idle, std::max<int64_t>(0, lim - n_active_));
 }
 
 int64_t Space::idle_usable_cap_locked() const {
@@ -354,11 +409,21 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
         break;
     }
 
+    // Claim before commit: the pool budget for every planned page in one step.
+    {
+        Status cs;
+        if (!claim_locked(static_cast<int64_t>(plan.size()), &cs)) {
+            ++counters_.shortages;
+            *available = available_locked();
+            return Status::make(Code::Shortage, "requested " + std::to_string(n) + " blocks: " + cs.message);
+        }
+    }
     // Commit the planned pages all-or-nothing before touching any structure.
     for (size_t i = 0; i < plan.size(); ++i) {
         Status s = do_commit(plan[i], consume_fault_locked(FaultKind::Commit));
         if (!s.is_ok()) {
             ++counters_.commit_failures;
+            int64_t kept = 0;
             for (size_t j = 0; j < i; ++j) {
                 Status r = do_release(plan[j], 0);
                 if (!r.is_ok()) {
@@ -368,8 +433,10 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
                     s.message += "; rollback of page " + std::to_string(plan[j]) + " failed: " + r.message;
                     free_remove(plan[j]);
                     to_reserve_locked(plan[j]);
+                    ++kept;
                 }
             }
+            unclaim_locked(static_cast<int64_t>(plan.size()) - kept);  // a failed commit returns its claim
             counters_.last_error = s.message;
             if (s.code == Code::Shortage) ++counters_.shortages;
             *available = partial_free_ + reserve_cap_;
@@ -472,8 +539,9 @@ Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int
 // given back by the call that emptied them.
 int64_t Space::release_inline_locked() {
     int64_t released = 0;
+    const int64_t lim = limit_pages_locked();
     while (!reserve_.empty()) {
-        const bool over_limit = cfg_.limit_pages >= 0 && n_active_ + n_reserve_ > cfg_.limit_pages;
+        const bool over_limit = lim >= 0 && n_active_ + n_reserve_ > lim;
         if (!over_limit && n_reserve_ <= cfg_.reserve_max) break;
         const int32_t p = reserve_.back();
         Status s = do_release(p, consume_fault_locked(FaultKind::Release));
@@ -490,7 +558,9 @@ int64_t Space::release_inline_locked() {
         ++counters_.releases;
         ++counters_.inline_releases;
         ++released;
+        unclaim_locked(1);
     }
+    if (released) report_locked();
     return released;
 }
 
@@ -517,7 +587,9 @@ Status Space::trim(int64_t* released) {
         free_push(p);
         ++counters_.releases;
         ++*released;
+        unclaim_locked(1);
     }
+    if (*released) report_locked();
     reserve_.insert(reserve_.end(), kept.rbegin(), kept.rend());
     commit_retry_at_ = {};
     cv_.notify_all();
@@ -579,7 +651,7 @@ SpaceStats Space::stats() {
     s.pages_free = num_pages() - n_active_ - n_reserve_ - n_committing_ - n_releasing_;
     s.page_commit_bytes = cfg_.num_regions * cfg_.page_bytes;
     s.committed_bytes = (n_active_ + n_reserve_ + n_releasing_) * s.page_commit_bytes;
-    s.limit_pages = cfg_.limit_pages;
+    s.limit_pages = limit_pages_locked();
     return s;
 }
 
@@ -596,8 +668,8 @@ int64_t Space::allocated_bytes() {
 
 bool Space::thread_has_work_locked() const {
     const auto now = std::chrono::steady_clock::now();
-    const bool over_limit =
-        n_reserve_ > 0 && cfg_.limit_pages >= 0 && n_active_ + n_reserve_ + n_committing_ > cfg_.limit_pages;
+    const int64_t lim = limit_pages_locked();
+    const bool over_limit = n_reserve_ > 0 && lim >= 0 && n_active_ + n_reserve_ + n_committing_ > lim;
     if ((over_limit || n_reserve_ > cfg_.reserve_max) && now >= release_retry_at_) return true;
     return now >= commit_retry_at_ && n_reserve_ + n_committing_ < cfg_.reserve_min && headroom_now_locked() > 0 &&
            !free_by_cap_.empty();
@@ -616,8 +688,8 @@ void Space::thread_main() {
     std::unique_lock<std::mutex> lk(mu_);
     while (!stop_) {
         const auto now = clock::now();
-        const bool over_limit = n_reserve_ > 0 && cfg_.limit_pages >= 0 &&
-                                n_active_ + n_reserve_ + n_committing_ > cfg_.limit_pages;
+        const int64_t lim = limit_pages_locked();
+        const bool over_limit = n_reserve_ > 0 && lim >= 0 && n_active_ + n_reserve_ + n_committing_ > lim;
         const bool want_release = over_limit || n_reserve_ > cfg_.reserve_max;
         if (want_release && now >= release_retry_at_) {
             const int32_t p = reserve_.back();
@@ -638,6 +710,8 @@ void Space::thread_main() {
                 pg.state = PageState::Free;
                 free_push(p);
                 ++counters_.releases;
+                unclaim_locked(1);
+                report_locked();
                 signal_eventfd();  // budget came back: a waiter under a limit may fit now
             } else {
                 ++counters_.release_failures;
@@ -651,6 +725,13 @@ void Space::thread_main() {
         const bool want_commit = n_reserve_ + n_committing_ < cfg_.reserve_min && headroom_now_locked() > 0 &&
                                  !free_by_cap_.empty();
         if (want_commit && now >= commit_retry_at_) {
+            Status cs;
+            if (!claim_locked(1, &cs)) {
+                // The pool is full: wait for budget (a generation change
+                // resets this deadline) instead of spinning.
+                commit_retry_at_ = clock::now() + kRetry;
+                continue;
+            }
             auto& bucket = free_by_cap_.front();  // largest capacity first, as available() counts
             const int32_t p = bucket.second.back();
             bucket.second.pop_back();
@@ -674,6 +755,7 @@ void Space::thread_main() {
             } else {
                 pg.state = PageState::Free;
                 free_push(p);
+                unclaim_locked(1);
                 ++counters_.commit_failures;
                 counters_.last_error = s.message;
                 // Out of memory or a failing backend: retry later, or sooner
@@ -689,6 +771,26 @@ void Space::thread_main() {
         if (want_commit) wake_at = std::min(wake_at, commit_retry_at_);
         if (wake_at == clock::time_point::max()) cv_.wait(lk);
         else cv_.wait_until(lk, wake_at);
+    }
+}
+
+// Cross-process wake-ups: wait on the pool's generation futex; on every
+// change (another tenant released budget, an operator set a limit), apply the
+// pool's view (release idle pages above a new limit, retry a refill that
+// lacked budget) and signal the eventfd so a waiting manager re-dispatches.
+void Space::watcher_main() {
+    while (true) {
+        const uint32_t seen = ledger_->generation();
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            if (stop_) return;
+            commit_retry_at_ = {};
+            if (cfg_.reserve_thread) cv_.notify_all();
+            else release_inline_locked();
+            report_locked();
+        }
+        signal_eventfd();
+        ledger_->wait_generation(seen, 1.0);
     }
 }
 
@@ -714,8 +816,14 @@ void Space::close() {
     cv_.notify_all();
     lk.unlock();
     if (thread_.joinable()) thread_.join();
+    if (watcher_.joinable()) {
+        // Wake the watcher out of its futex wait (it re-checks stop_).
+        ledger_->bump_generation();
+        watcher_.join();
+    }
     lk.lock();
     backend_->close();  // gives every committed byte back
+    if (ledger_) ledger_->unregister_tenant(slot_);  // and its claims to the pool
     if (efd_ >= 0) ::close(efd_);
     efd_ = -1;
     close_done_ = true;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "ledger.hpp"
 #include "status.hpp"
 
 namespace kvpool {
@@ -52,8 +53,10 @@ enum class FaultKind : int { Commit = 0, Release = 1 };
 class Space {
 public:
     // Returns nullptr and sets *status on failure.
+    // With a ledger, every commit is claimed in the pool first (claim before
+    // commit) and every release returned; `slot` is this space's tenant slot.
     static std::unique_ptr<Space> create(const SpaceConfig& cfg, std::unique_ptr<Backend> backend,
-                                         Status* status);
+                                         std::shared_ptr<Ledger> ledger, int slot, Status* status);
     ~Space();
     Space(const Space&) = delete;
     Space& operator=(const Space&) = delete;
@@ -88,6 +91,12 @@ public:
     int64_t capacity() const { return capacity_; }
     int64_t num_pages() const { return static_cast<int64_t>(pages_.size()); }
     bool closed() const { return closed_.load(std::memory_order_acquire); }
+    // The pool ledger (nullptr without one) and this space's tenant slot.
+    Ledger* ledger() const { return ledger_.get(); }
+    int tenant_slot() const { return slot_; }
+    void report_waiting(int32_t waiting);
+    // Effective limit in pages: the local one and the pool's, whichever is lower.
+    int64_t limit_pages();
     void close();
 
 private:
@@ -101,7 +110,14 @@ private:
         std::vector<int32_t> free_off;  // free block offsets, a stack
     };
 
-    explicit Space(const SpaceConfig& cfg, std::unique_ptr<Backend> backend);
+    explicit Space(const SpaceConfig& cfg, std::unique_ptr<Backend> backend, std::shared_ptr<Ledger> ledger,
+                   int slot);
+    int64_t limit_pages_locked() const;
+    int64_t ledger_room_pages_locked() const;
+    bool claim_locked(int64_t pages, Status* status);
+    void unclaim_locked(int64_t pages);
+    void report_locked();
+    void watcher_main();
     Status init();
 
     // --- bookkeeping, all called with mu_ held ---
@@ -160,6 +176,11 @@ private:
     SpaceStats counters_;
     int efd_ = -1;
     std::thread thread_;
+    std::shared_ptr<Ledger> ledger_;
+    int slot_ = -1;
+    int64_t pcb_ = 0;  // bytes per page commit: num_regions * page_bytes
+    std::atomic<int32_t> waiting_{0};
+    std::thread watcher_;  // futex-waits on the pool generation (cross-process wake-ups)
 };
 
 }  // namespace kvpool

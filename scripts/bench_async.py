@@ -73,30 +73,31 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime as _dt
-import gc
-import json
 import os
-import platform
 import statistics
-import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from typing import Any
 
 import numpy as np
+from _benchlib import (  # scripts/, on sys.path when a script runs
+    BIG_RESERVE,
+    KiB,
+    geo_info,
+    machine_info,
+    no_gc,
+    parse_args,
+    utc_now,
+    version,
+    write_json,
+)
 
-import kvpool
 from kvpool import Geometry, KVCacheManager
 
-KiB = 1 << 10
-BIG_RESERVE = 1 << 30  # "keep every emptied page committed"
 DEPTHS = (1, 100, 1000)
 SETTLE_PASSES = 4  # event-loop passes between two hand-offs
 
@@ -145,18 +146,6 @@ def _no_page_syscalls(m: KVCacheManager, what: str) -> Iterator[None]:
 # --------------------------------------------------------------- timing helpers
 
 
-@contextmanager
-def _no_gc() -> Iterator[None]:
-    was = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 Body = Callable[[int], Awaitable[None]]
 
 
@@ -181,7 +170,7 @@ async def _calibrate(body: Body, target_s: float) -> int:
 
 async def _repeat(body: Body, settings: Settings) -> dict[str, Any]:
     """Calibrate, then time ``settings.repeats`` repeats; median and raw values."""
-    with _no_gc():
+    with no_gc():
         await body(16)  # warm-up
         iters = await _calibrate(body, settings.target_s)
         runs = [await _loop_ns(body, iters) for _ in range(settings.repeats)]
@@ -202,7 +191,7 @@ def _pct(sorted_values: list[int], q: float) -> float:
 async def bench_roundtrip(settings: Settings) -> dict[str, Any]:
     sizes = (1, 16)
     m = _manager(1024, "bench-roundtrip")
-    out: dict[str, Any] = {"geometry": _geo_info(m.geometry), "cases": {}}
+    out: dict[str, Any] = {"geometry": geo_info(m.geometry), "cases": {}}
     try:
         async def loop_pass(iters: int) -> None:
             sleep = asyncio.sleep
@@ -275,48 +264,64 @@ def _summarize(lat: list[int], via: list[bool | None]) -> dict[str, Any]:
     return res
 
 
-async def _handoff_steady(depth: int, settings: Settings) -> list[dict[str, Any]]:
-    """``depth`` waiters; each granted one hands its block back and re-queues at the tail."""
-    m = _manager(64, f"bench-handoff-steady-{depth}")
-    probe = _Probe(m)
-    ids = m.alloc_nowait(m.geometry.capacity)  # exhaust the space: the releaser holds every block
-    held = [ids[i : i + 1] for i in range(len(ids))]
-    t_free = [0]
-    lat: list[int] = []
-    back: deque[Any] = deque()
-    resumed = asyncio.Event()
+class _Handoff:
+    """An exhausted space whose blocks the releaser holds, granted one at a time to waiters."""
 
-    async def waiter() -> None:
+    def __init__(self, m: KVCacheManager) -> None:
+        self.m = m
+        self.probe = _Probe(m)
+        ids = m.alloc_nowait(m.geometry.capacity)  # exhaust the space: the releaser holds every block
+        self.held = [ids[i : i + 1] for i in range(len(ids))]
+        self.t_free = 0  # perf_counter_ns just before the latest granting free
+        self.lat: list[int] = []
+        self.back: deque[Any] = deque()
+        self.resumed = asyncio.Event()
+
+    async def waiter(self, forever: bool) -> None:
+        """Wait in ``alloc(1)`` once (or again and again); log each grant's latency, hand the block back."""
+        m, lat, back, resumed = self.m, self.lat, self.back, self.resumed
         while True:
             got = await m.alloc(1)
             t = time.perf_counter_ns()
-            lat.append(t - t_free[0])
+            lat.append(t - self.t_free)
             back.append(got)
             resumed.set()
+            if not forever:
+                return
 
-    tasks = [asyncio.create_task(waiter()) for _ in range(depth)]
+    async def grant(self, waiting: int, what: str, via: list[bool | None]) -> None:
+        """Free one block to the head of a queue of ``waiting`` waiters; return once the grantee resumed."""
+        m = self.m
+        await _settle()
+        if m.waiting != waiting:
+            raise RuntimeError(f"{what} hand-off: {m.waiting} waiting, expected {waiting}")
+        via.append(self.probe.head_is_watcher())
+        self.resumed.clear()
+        blk = self.held.pop()
+        self.t_free = time.perf_counter_ns()
+        m.free(blk)
+        await self.resumed.wait()
+        self.held.append(self.back.popleft())
+
+
+async def _handoff_steady(depth: int, settings: Settings) -> list[dict[str, Any]]:
+    """``depth`` waiters; each granted one hands its block back and re-queues at the tail."""
+    m = _manager(64, f"bench-handoff-steady-{depth}")
+    h = _Handoff(m)
+    tasks = [asyncio.create_task(h.waiter(forever=True)) for _ in range(depth)]
     repeats: list[dict[str, Any]] = []
     try:
         while m.waiting < depth:
             await asyncio.sleep(0)
-        with _no_page_syscalls(m, f"hand-off steady depth={depth}"), _no_gc():
+        with _no_page_syscalls(m, f"hand-off steady depth={depth}"), no_gc():
             for r in range(settings.repeats + 1):  # round 0: warm-up, discarded
                 n = settings.handoff_warmup if r == 0 else settings.handoff_samples
-                lat.clear()
+                h.lat.clear()
                 via: list[bool | None] = []
                 for _ in range(n):
-                    await _settle()
-                    if m.waiting != depth:
-                        raise RuntimeError(f"steady hand-off: {m.waiting} waiting, expected {depth}")
-                    via.append(probe.head_is_watcher())
-                    resumed.clear()
-                    blk = held.pop()
-                    t_free[0] = time.perf_counter_ns()
-                    m.free(blk)
-                    await resumed.wait()
-                    held.append(back.popleft())
+                    await h.grant(depth, "steady", via)
                 if r:
-                    repeats.append(_summarize(list(lat), via))
+                    repeats.append(_summarize(list(h.lat), via))
     finally:
         for t in tasks:
             t.cancel()
@@ -328,37 +333,15 @@ async def _handoff_steady(depth: int, settings: Settings) -> list[dict[str, Any]
 async def _handoff_drain(depth: int, settings: Settings) -> list[dict[str, Any]]:
     """``depth`` waiters queued once, released one by one; repeated until enough samples."""
     m = _manager(64, f"bench-handoff-drain-{depth}")
-    probe = _Probe(m)
-    ids = m.alloc_nowait(m.geometry.capacity)
-    held = [ids[i : i + 1] for i in range(len(ids))]
-    t_free = [0]
-    lat: list[int] = []
-    back: deque[Any] = deque()
-    resumed = asyncio.Event()
-
-    async def waiter() -> None:
-        got = await m.alloc(1)
-        t = time.perf_counter_ns()
-        lat.append(t - t_free[0])
-        back.append(got)
-        resumed.set()
+    h = _Handoff(m)
 
     async def one_drain(via: list[bool | None]) -> None:
-        tasks = [asyncio.create_task(waiter()) for _ in range(depth)]
+        tasks = [asyncio.create_task(h.waiter(forever=False)) for _ in range(depth)]
         try:
             while m.waiting < depth:
                 await asyncio.sleep(0)
             for i in range(depth):
-                await _settle()
-                if m.waiting != depth - i:
-                    raise RuntimeError(f"drain hand-off: {m.waiting} waiting, expected {depth - i}")
-                via.append(probe.head_is_watcher())
-                resumed.clear()
-                blk = held.pop()
-                t_free[0] = time.perf_counter_ns()
-                m.free(blk)
-                await resumed.wait()
-                held.append(back.popleft())
+                await h.grant(depth - i, "drain", via)
             await asyncio.gather(*tasks)
         finally:
             for t in tasks:
@@ -368,14 +351,14 @@ async def _handoff_drain(depth: int, settings: Settings) -> list[dict[str, Any]]
     drains_per_repeat = max(1, -(-settings.handoff_samples // depth))
     repeats: list[dict[str, Any]] = []
     try:
-        with _no_page_syscalls(m, f"hand-off drain depth={depth}"), _no_gc():
+        with _no_page_syscalls(m, f"hand-off drain depth={depth}"), no_gc():
             await one_drain([])  # warm-up, discarded
             for _ in range(settings.repeats):
-                lat.clear()
+                h.lat.clear()
                 via: list[bool | None] = []
                 for _ in range(drains_per_repeat):
                     await one_drain(via)
-                repeats.append(_summarize(list(lat), via))
+                repeats.append(_summarize(list(h.lat), via))
     finally:
         await m.aclose()
     return repeats
@@ -387,7 +370,7 @@ def _median_of(repeats: list[dict[str, Any]], key: str) -> float | None:
 
 
 async def bench_handoff(settings: Settings) -> dict[str, Any]:
-    out: dict[str, Any] = {"geometry": _geo_info(_geometry(64)), "settle_passes": SETTLE_PASSES, "modes": {}}
+    out: dict[str, Any] = {"geometry": geo_info(_geometry(64)), "settle_passes": SETTLE_PASSES, "modes": {}}
     for mode, fn in (("steady", _handoff_steady), ("drain", _handoff_drain)):
         cases: dict[str, Any] = {}
         for depth in DEPTHS:
@@ -468,7 +451,7 @@ async def bench_contention(settings: Settings, seed: int = 0) -> dict[str, Any]:
     mgrs = {name: _manager(nb, f"bench-contention-{name}") for name, (nb, _) in configs.items()}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     try:
-        with _no_gc():
+        with no_gc():
             for name, (_, sz) in configs.items():  # warm-up, discarded
                 await _contention_run(mgrs[name], sz, settings.contention_s / 4)
             for _ in range(settings.repeats):
@@ -484,7 +467,7 @@ async def bench_contention(settings: Settings, seed: int = 0) -> dict[str, Any]:
         out["cases"][name] = {
             "tasks": len(sz),
             "blocks": nb,
-            "geometry": _geo_info(_geometry(nb)),
+            "geometry": geo_info(_geometry(nb)),
             "grants_per_s": statistics.median(r["grants_per_s"] for r in rs),
             "at_once_share": statistics.median(r["at_once_share"] for r in rs),
             "per_task_min": min(r["per_task_min"] for r in rs),
@@ -501,55 +484,16 @@ async def bench_contention(settings: Settings, seed: int = 0) -> dict[str, Any]:
 # ------------------------------------------------------------------- report
 
 
-def _geo_info(geo: Geometry) -> dict[str, Any]:
-    return {
-        "num_layers": geo.num_layers,
-        "num_kv_buffers": geo.num_kv_buffers,
-        "block_bytes": geo.block_bytes,
-        "num_blocks": geo.blocks,
-        "page_bytes": geo.page_bytes,
-        "layout": geo.layout,
-        "num_regions": geo.num_regions,
-        "num_pages": geo.num_pages,
-        "capacity": geo.capacity,
-        "page_commit_bytes": geo.page_commit_bytes,
-    }
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def machine_info() -> dict[str, Any]:
+def _machine_info() -> dict[str, Any]:
     loop = asyncio.get_running_loop()
-    return {
-        "nproc": os.cpu_count(),
-        "nproc_usable": len(os.sched_getaffinity(0)),
-        "python": sys.version.split()[0],
-        "python_impl": platform.python_implementation(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "kernel": platform.release(),
-        "base_page_bytes": os.sysconf("SC_PAGE_SIZE"),
-        "event_loop": f"{type(loop).__module__}.{type(loop).__qualname__}",
-        "kvpool": kvpool.__version__,
-        "numpy": np.__version__,
-        "anyio": _version("anyio"),
-        "structlog": _version("structlog"),
-        "kvpool_log_level": os.environ.get("KVPOOL_LOG_LEVEL", "warning"),
-    }
+    return machine_info(
+        runtime={"event_loop": f"{type(loop).__module__}.{type(loop).__qualname__}"},
+        extra={
+            "anyio": version("anyio"),
+            "structlog": version("structlog"),
+            "kvpool_log_level": os.environ.get("KVPOOL_LOG_LEVEL", "warning"),
+        },
+    )
 
 
 def _us(ns: float | None) -> str:
@@ -621,10 +565,10 @@ def format_report(res: dict[str, Any]) -> str:
 async def _run(settings: Settings, quick: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     res: dict[str, Any] = {
-        "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "when": utc_now(),
         "quick": quick,
         "settings": asdict(settings),
-        "machine": machine_info(),
+        "machine": _machine_info(),
     }
     res["roundtrip"] = await bench_roundtrip(settings)
     res["handoff"] = await bench_handoff(settings)
@@ -634,18 +578,12 @@ async def _run(settings: Settings, quick: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    ap.add_argument("--quick", action="store_true", help="short loops (smoke test); noisier numbers")
-    ap.add_argument("--json", default="bench-async.json", metavar="PATH", help="where to write the raw results")
-    args = ap.parse_args(argv)
+    args = parse_args(__doc__, "bench-async.json", argv)
     settings = QUICK if args.quick else FULL
 
     res = asyncio.run(_run(settings, args.quick))
     print(format_report(res))
-    with open(args.json, "w") as f:
-        json.dump(res, f, indent=2)
-        f.write("\n")
-    print(f"wrote {args.json}")
+    write_json(res, args.json)
     return 0
 
 

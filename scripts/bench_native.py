@@ -50,32 +50,34 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import ctypes.util
-import datetime as _dt
-import gc
-import json
 import os
-import platform
 import statistics
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from _benchlib import (  # scripts/, on sys.path when a script runs
+    BIG_RESERVE,
+    KiB,
+    MiB,
+    geo_info,
+    machine_info,
+    no_gc,
+    parse_args,
+    read_text,
+    utc_now,
+    write_json,
+)
 
-import kvpool
 from kvpool import Geometry, KVSpace
 
-KiB = 1 << 10
-MiB = 1 << 20
 FALLOC_FL_KEEP_SIZE = 1
 FALLOC_FL_PUNCH_HOLE = 2
-BIG_RESERVE = 1 << 30  # "keep every emptied page committed"
+SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
 
 @dataclass(frozen=True)
@@ -96,18 +98,6 @@ QUICK = Settings(repeats=3, target_s=0.03, page_iters=8, page_repeats=3,
 
 
 # --------------------------------------------------------------- timing helpers
-
-
-@contextmanager
-def _no_gc() -> Iterator[None]:
-    was = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _loop_ns(body: Callable[[int], None], iters: int) -> float:
@@ -131,7 +121,7 @@ def _calibrate(body: Callable[[int], None], target_s: float) -> int:
 
 def _repeat(body: Callable[[int], None], settings: Settings) -> dict[str, Any]:
     """Calibrate, then time ``settings.repeats`` repeats; median and raw values."""
-    with _no_gc():
+    with no_gc():
         body(16)  # warm-up
         iters = _calibrate(body, settings.target_s)
         runs = [_loop_ns(body, iters) for _ in range(settings.repeats)]
@@ -149,7 +139,7 @@ def _stat_syscalls(space: KVSpace) -> tuple[int, int]:
 def bench_roundtrip(settings: Settings) -> dict[str, Any]:
     geo = Geometry(num_layers=4, num_kv_buffers=2, block_bytes=64 * KiB, num_blocks=4096)
     sizes = (1, 16, 256)
-    out: dict[str, Any] = {"geometry": _geo_info(geo), "cases": {}}
+    out: dict[str, Any] = {"geometry": geo_info(geo), "cases": {}}
     with KVSpace(geo, reserve=(0, BIG_RESERVE), reserve_thread=False) as space:
         space.free(space.alloc(max(sizes)))  # commit the pages once; they stay committed
 
@@ -275,7 +265,7 @@ def bench_page(settings: Settings) -> dict[str, Any]:
             raw.release(raw._offsets(page))
 
             before = space.stats()
-            with _no_gc():
+            with no_gc():
                 for _ in range(settings.page_repeats):
                     # Interleaved so that drift (page cache, frequency) hits both alike.
                     rc, rr = _time_raw(raw, page, settings.page_iters)
@@ -294,7 +284,7 @@ def bench_page(settings: Settings) -> dict[str, Any]:
         raw.close()
     med = {k: statistics.median(v) for k, v in runs.items()}
     return {
-        "geometry": _geo_info(geo),
+        "geometry": geo_info(geo),
         "page": page,
         "iters": settings.page_iters,
         "repeats": settings.page_repeats,
@@ -345,7 +335,7 @@ def bench_scale(settings: Settings, seed: int = 0) -> dict[str, Any]:
                 partial_pages=partial,
                 committed_bytes=committed,
                 setup_s=setup_s,
-                geometry=_geo_info(geo),
+                geometry=geo_info(geo),
             )
         cases[str(num_blocks)] = res
     base = cases[str(settings.scale_sizes[0])]["median_ns"]
@@ -355,46 +345,6 @@ def bench_scale(settings: Settings, seed: int = 0) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------- report
-
-
-def _geo_info(geo: Geometry) -> dict[str, Any]:
-    return {
-        "num_layers": geo.num_layers,
-        "num_kv_buffers": geo.num_kv_buffers,
-        "block_bytes": geo.block_bytes,
-        "num_blocks": geo.blocks,
-        "page_bytes": geo.page_bytes,
-        "layout": geo.layout,
-        "num_regions": geo.num_regions,
-        "num_pages": geo.num_pages,
-        "capacity": geo.capacity,
-        "page_commit_bytes": geo.page_commit_bytes,
-    }
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def machine_info() -> dict[str, Any]:
-    return {
-        "nproc": os.cpu_count(),
-        "nproc_usable": len(os.sched_getaffinity(0)),
-        "python": sys.version.split()[0],
-        "python_impl": platform.python_implementation(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "kernel": platform.release(),
-        "shmem_thp": _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
-        "base_page_bytes": os.sysconf("SC_PAGE_SIZE"),
-        "kvpool": kvpool.__version__,
-        "numpy": np.__version__,
-    }
 
 
 def _si(n: int) -> str:
@@ -458,18 +408,15 @@ def format_report(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    ap.add_argument("--quick", action="store_true", help="short loops (smoke test); noisier numbers")
-    ap.add_argument("--json", default="bench-native.json", metavar="PATH", help="where to write the raw results")
-    args = ap.parse_args(argv)
+    args = parse_args(__doc__, "bench-native.json", argv)
     settings = QUICK if args.quick else FULL
 
     t0 = time.perf_counter()
     res: dict[str, Any] = {
-        "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "when": utc_now(),
         "quick": args.quick,
         "settings": asdict(settings),
-        "machine": machine_info(),
+        "machine": machine_info(kernel_settings={"shmem_thp": read_text(SHMEM_THP)}),
     }
     res["roundtrip"] = bench_roundtrip(settings)
     res["page"] = bench_page(settings)
@@ -477,10 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     res["elapsed_s"] = time.perf_counter() - t0
 
     print(format_report(res))
-    with open(args.json, "w") as f:
-        json.dump(res, f, indent=2)
-        f.write("\n")
-    print(f"wrote {args.json}")
+    write_json(res, args.json)
     return 0
 
 
