@@ -16,6 +16,9 @@ from .manager import LimitState as LimitState
 from .manager import ManagerStats as ManagerStats
 from .manager import Reservation as Reservation
 from .geometry import Geometry as Geometry
+from .pool import Pool as Pool
+from .pool import TenantInfo as TenantInfo
+from .pool import list_pools as list_pools
 from .space import KVSpace as KVSpace
 from .space import PageInfo as PageInfo
 from .space import SpaceStats as SpaceStats
@@ -39,7 +42,10 @@ __all__ = [
     "LedgerError",
     "MiB",
     "PageInfo",
+    "Pool",
     "PoolClosed",
     "PoolExhausted",
     "SpaceStats",
+    "TenantInfo",
+    "list_pools",
 ]

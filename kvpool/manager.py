@@ -248,6 +248,7 @@ class KVCacheManager:
                 return ids
         w = Waiter(n, priority)
         self._queue.push(w)
+        self._report_waiting()
         scope = anyio.fail_after(timeout) if timeout is not None else contextlib.nullcontext()
         try:
             with scope:
@@ -337,6 +338,12 @@ class KVCacheManager:
                 w.state = WaiterState.GRANTED
                 self._wake(w)
         self._ensure_watcher()
+        self._report_waiting()
+
+    def _report_waiting(self) -> None:
+        # What `kvpool top` shows in the waiting column (an atomic store).
+        if self.space.pool is not None and not self._closed:
+            self.space._space.report_waiting(len(self._queue))
 
     def _ensure_watcher(self) -> None:
         # The watcher role is handed to the head when the watcher leaves; if
@@ -354,8 +361,8 @@ class KVCacheManager:
 
     def _on_native_wakeup(self) -> None:
         self._dispatch()
-        if self._limit_state is LimitState.DEFERRED:
-            self._refresh_limit_state()
+        if self._limit_state is LimitState.DEFERRED or self.space.pool is not None:
+            self._refresh_limit_state()  # an operator may have set a limit in the pool
 
     # ------------------------------------------------------------------- free
     def free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> None:
@@ -375,52 +382,77 @@ class KVCacheManager:
     async def set_limit(self, limit_bytes: int | None, *, revision: int | None = None) -> LimitState:
         """Cap this tenant's committed bytes.
 
-        Revisions order concurrent setters: a lower revision than the one in
-        force is ``STALE``; the same revision with another value is a
-        ``CONFLICT``; repeating a revision is idempotent. A limit below
-        current use is ``DEFERRED`` (growth stops, pages go back as they
-        empty) and turns ``APPLIED`` once usage is under it.
+        Revisions order concurrent setters (this process, ``kvpool limit``, a
+        controller): a lower revision than the one in force is ``STALE``; the
+        same revision with another value is a ``CONFLICT``; repeating a
+        revision is idempotent. A limit below current use is ``DEFERRED``
+        (growth stops, pages go back as they empty) and turns ``APPLIED``
+        once usage is under it. In a pool the limit lives in the ledger, so
+        ``kvpool top`` shows it and ``kvpool limit`` shares the revisions.
         """
         if limit_bytes is not None and (isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int)
                                         or limit_bytes < 0):
             raise ValueError(f"limit_bytes must be a non-negative int or None, got {limit_bytes!r}")
-        if revision is None:
-            revision = self._limit_revision + 1
         if self._closed:
             raise PoolClosed(f"manager {self.name!r} is closed")
-        if revision < self._limit_revision:
-            self._log.info("limit.stale", limit_bytes=limit_bytes, revision=revision, current=self._limit_revision)
+        cur_bytes, cur_rev = self._limit_setting()
+        if revision is None:
+            revision = cur_rev + 1
+        if revision < cur_rev:
+            outcome = "stale"
+        elif revision == cur_rev:
+            outcome = "same" if limit_bytes == cur_bytes else "conflict"
+        else:
+            outcome = "applied"
+            if self.space.pool is not None:
+                code = self.space._space.set_pool_limit(-1 if limit_bytes is None else limit_bytes, revision)
+                outcome = ("applied", "stale", "conflict", "same")[code]  # lost a race with another setter
+            else:
+                self._limit_bytes, self._limit_revision = limit_bytes, revision
+                self.space.set_limit(limit_bytes)
+        if outcome == "stale":
+            self._log.info("limit.stale", limit_bytes=limit_bytes, revision=revision, current=cur_rev)
             return LimitState.STALE
-        if revision == self._limit_revision:
-            if limit_bytes != self._limit_bytes:
-                self._log.info("limit.conflict", limit_bytes=limit_bytes, revision=revision,
-                               current_bytes=self._limit_bytes)
-                return LimitState.CONFLICT
+        if outcome == "conflict":
+            self._log.info("limit.conflict", limit_bytes=limit_bytes, revision=revision, current_bytes=cur_bytes)
+            return LimitState.CONFLICT
+        if outcome == "same":
             return self._refresh_limit_state()
-        self._limit_bytes, self._limit_revision = limit_bytes, revision
-        self.space.set_limit(limit_bytes)
+        if self.space.pool is not None:
+            self.space._space.set_limit_pages(-1)  # apply now (the pool watcher would, a moment later)
         # Let the reserve thread give idle pages back before judging.
         await anyio.to_thread.run_sync(self.space.settle, 2.0)
         if self._closed:
             raise PoolClosed(f"manager {self.name!r} is closed")
-        self._limit_state = LimitState.APPLIED  # force a fresh event for this revision
         state = self._refresh_limit_state(force_log=True)
         self._dispatch()  # a raised limit lets waiters grow
         return state
 
+    def _limit_setting(self) -> tuple[int | None, int]:
+        """(limit bytes, revision) in force: the pool ledger's, or the local one."""
+        if self.space.pool is not None:
+            lim, rev = self.space._space.ledger_limit()
+            return (None if lim < 0 else lim), rev
+        return self._limit_bytes, self._limit_revision
+
+    def _effective_limit(self) -> int | None:
+        lims = [x for x in (self._limit_setting()[0], self._limit_bytes if self.space.pool is not None else None)
+                if x is not None]
+        return min(lims) if lims else None
+
     def _refresh_limit_state(self, *, log: bool = True, force_log: bool = False) -> LimitState:
         committed = self.space.stats().committed_bytes
-        lim = self._limit_bytes
+        lim = self._effective_limit()
         new = LimitState.APPLIED if lim is None or committed <= lim else LimitState.DEFERRED
         if log and (force_log or new is not self._limit_state):
             event = "limit.applied" if new is LimitState.APPLIED else "limit.deferred"
-            self._log.info(event, limit_bytes=lim, revision=self._limit_revision, committed_bytes=committed)
+            self._log.info(event, limit_bytes=lim, revision=self._limit_setting()[1], committed_bytes=committed)
         self._limit_state = new
         return new
 
     @property
     def limit_state(self) -> LimitState:
-        if not self._closed and self._limit_state is LimitState.DEFERRED:
+        if not self._closed and (self._limit_state is LimitState.DEFERRED or self.space.pool is not None):
             self._refresh_limit_state()
         return self._limit_state
 
@@ -443,11 +475,12 @@ class KVCacheManager:
     def stats(self) -> ManagerStats:
         s = self.space.stats()
         c = self._counts
+        limit_bytes, limit_revision = self._limit_setting()
         return ManagerStats(
             pool=self.pool, tenant=self.name, capacity=s.capacity, used_blocks=s.used_blocks,
             available=0 if self._closed else self.available(), waiting=len(self._queue),
             waiting_blocks=self._queue.waiting_blocks, committed_bytes=s.committed_bytes,
-            limit_bytes=self._limit_bytes, limit_revision=self._limit_revision, limit_state=self._limit_state,
+            limit_bytes=limit_bytes, limit_revision=limit_revision, limit_state=self.limit_state,
             granted_at_once=c["at_once"], granted_after_wait=c["after_wait"], timeouts=c["timeouts"],
             cancellations=c["cancellations"], shortages=c["shortages"], space=s,
         )
