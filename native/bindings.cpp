@@ -271,7 +271,7 @@ NB_MODULE(_native, m) {
             },
             "tenant"_a, "limit_bytes"_a, "revision"_a,
             "(code, result: 0 applied 1 stale 2 conflict 3 same, message); revision < 0 = next.")
-        .def("reap", &Ledger::reap, nb::call_guard<nb::gil_scoped_release>());
+        .def("reap", [](Ledger& l) { return l.reap(true); }, nb::call_guard<nb::gil_scoped_release>());
 
     m.def(
         "open_ledger",

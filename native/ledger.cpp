@@ -200,9 +200,9 @@ int Ledger::reap_locked(bool check_start_time) {
     return reaped;
 }
 
-int Ledger::reap() {
+int Ledger::reap(bool check_start_time) {
     if (!lock().is_ok()) return 0;
-    const int r = reap_locked(true);
+    const int r = reap_locked(check_start_time);
     unlock();
     return r;
 }

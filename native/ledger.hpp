@@ -98,7 +98,9 @@ public:
     Status set_limit_by_name(const std::string& tenant, int64_t bytes, int64_t revision, LimitResult* result);
     void report(int slot, int32_t limit_state, int32_t waiting, int64_t reserve_pages);
     std::vector<TenantInfo> tenants();
-    int reap();  // reaps dead tenants; returns how many
+    // Reaps dead tenants; returns how many. check_start_time also catches a
+    // reused pid (reads /proc); the cheap form only asks kill(pid, 0).
+    int reap(bool check_start_time = true);
     // Futex wait until the generation differs from `seen` (or timeout).
     void wait_generation(uint32_t seen, double timeout_s);
     void bump_generation();  // and wake every waiter, in every process

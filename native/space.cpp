@@ -400,6 +400,8 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
                     if (closed_) return Status::make(Code::Closed, "space is closed");
                     continue;
                 }
+                // Short of pool budget: a dead tenant may still hold some.
+                if (ledger_ && ledger_->reap(false) > 0) continue;
                 ++counters_.shortages;
                 *available = available_locked();
                 return Status::make(Code::Shortage, "requested " + std::to_string(n) + " blocks, " +
@@ -791,6 +793,10 @@ void Space::watcher_main() {
         }
         signal_eventfd();
         ledger_->wait_generation(seen, 1.0);
+        // Someone here waits for budget: a tenant that died holding it is
+        // reaped by the next lock holder, so be that holder at least once a
+        // second rather than wait for another process to take the lock.
+        if (waiting_.load() > 0) ledger_->reap(false);
     }
 }
 

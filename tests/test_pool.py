@@ -1,0 +1,341 @@
+"""The shared pool: one ledger, many engine processes (real processes, real shared memory)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import pathlib
+import select
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvpool import Geometry, KVSpace, LedgerError, Pool, PoolExhausted, list_pools
+
+from .conftest import KiB
+
+G = Geometry(1, 2, 4 * KiB, 256, page_bytes=16 * KiB)  # 4 blocks a page, 32 KiB per page commit
+PCB = G.page_commit_bytes
+CHILD = pathlib.Path(__file__).with_name("_pool_child.py")
+
+
+@pytest.fixture
+def pool_name() -> Iterator[str]:
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    yield name
+    Pool.remove(name)
+
+
+def memfd_bytes(pid: int) -> int:
+    """Real memory behind a process's kvpool memfds (st_blocks through /proc)."""
+    total = 0
+    fd_dir = f"/proc/{pid}/fd"
+    for fd in os.listdir(fd_dir):
+        try:
+            if os.readlink(f"{fd_dir}/{fd}").startswith("/memfd:kvpool-space"):
+                total += os.stat(f"{fd_dir}/{fd}").st_blocks * 512
+        except OSError:
+            pass
+    return total
+
+
+def stop(p: subprocess.Popen[str]) -> None:
+    p.kill()
+    p.wait()
+    for pipe in (p.stdin, p.stdout, p.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
+# ------------------------------------------------------------------ security
+
+@pytest.mark.parametrize("bad", ["../x", "", "a" * 65, "a/b", ".hidden", "-x", "name with space", 7])
+def test_bad_pool_names_are_refused_before_touching_the_filesystem(bad: object) -> None:
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(LedgerError, match="bad pool name"):
+        Pool(bad)  # type: ignore[arg-type]
+    assert set(os.listdir("/dev/shm")) == before
+
+
+def test_the_ledger_segment_is_owner_only(pool_name: str) -> None:
+    old = os.umask(0)
+    try:
+        Pool(pool_name, capacity=10 * PCB)
+    finally:
+        os.umask(old)
+    mode = os.stat(f"/dev/shm/kvpool-{pool_name}").st_mode
+    assert stat.S_IMODE(mode) == 0o600
+    assert pool_name in list_pools()
+
+
+def test_a_ledger_of_another_layout_version_is_refused(pool_name: str) -> None:
+    Pool(pool_name, capacity=10 * PCB)
+    path = f"/dev/shm/kvpool-{pool_name}"
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(struct.pack("<I", 99))  # the version field, after the 8-byte magic
+    with pytest.raises(LedgerError, match="another layout version"):
+        Pool(pool_name)
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(LedgerError, match="another layout"):
+        Pool(pool_name)
+
+
+def test_joining_a_missing_pool_without_create_fails(pool_name: str) -> None:
+    with pytest.raises(LedgerError, match="does not exist"):
+        Pool(pool_name, create=False)
+
+
+def test_memory_released_by_one_tenant_reads_zeros_in_another(pool_name: str) -> None:
+    pool = Pool(pool_name, capacity=2 * PCB)
+    with KVSpace(G, pool=pool, name="a", reserve_thread=False, reserve=(0, 0)) as a:
+        ids = a.alloc(8)  # the whole pool
+        a.view(0, 0, torch.int64, (512,))[torch.from_numpy(ids)] = 7
+        with KVSpace(G, pool=pool, name="b", reserve_thread=False, reserve=(0, 0)) as b:
+            with pytest.raises(PoolExhausted):
+                b.alloc(1)
+            a.free(ids)  # released: the pool budget is back
+            got = torch.from_numpy(b.alloc(8))
+            for layer in b.tensors(torch.int64, (512,)):
+                for buf in layer:
+                    assert int(buf[got].abs().sum()) == 0
+
+
+# ------------------------------------------------------- claim before commit
+
+def test_claims_cap_the_pool_and_available_counts_the_budget(pool_name: str) -> None:
+    pool = Pool(pool_name, capacity=5 * PCB)
+    with KVSpace(G, pool=pool, name="a", reserve_thread=False, reserve=(0, 0)) as a, \
+         KVSpace(G, pool=pool, name="b", reserve_thread=False, reserve=(0, 0)) as b:
+        a.alloc(12)  # 3 pages
+        assert b.available() == 8 and a.available() == 8
+        with pytest.raises(PoolExhausted):
+            b.alloc(9)
+        b.alloc(8)
+        assert pool.committed == 5 * PCB == a.allocated_bytes() + b.allocated_bytes()
+        assert {t.name: t.committed_bytes for t in pool.tenants()} == {"a": 3 * PCB, "b": 2 * PCB}
+    assert pool.committed == 0 and pool.tenants() == []
+
+
+def test_tenant_names_are_unique_in_a_pool(pool_name: str) -> None:
+    pool = Pool(pool_name, capacity=5 * PCB)
+    with KVSpace(G, pool=pool, name="same", reserve_thread=False):
+        with pytest.raises(Exception, match="already has a live tenant"):
+            KVSpace(G, pool=pool, name="same", reserve_thread=False)
+
+
+def test_a_pool_limit_set_by_an_operator_is_applied_natively(pool_name: str) -> None:
+    pool = Pool(pool_name, capacity=50 * PCB)
+    with KVSpace(G, pool=pool, name="eng", reserve_thread=False, reserve=(0, 4)) as s:
+        ids = s.alloc(16)  # 4 pages
+        s.free(ids[:8])    # 2 idle reserve pages kept (max 4)
+        assert pool.set_limit("eng", 3 * PCB) == "applied"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and s.allocated_bytes() > 3 * PCB:
+            time.sleep(0.01)  # the tenant's pool watcher gives the idle page above the limit back
+        assert s.allocated_bytes() == 3 * PCB
+        assert s.available() == 4  # 2 full pages + 1 idle page within the limit
+        with pytest.raises(PoolExhausted):
+            s.alloc(5)
+        assert pool.set_limit("eng", 3 * PCB, revision=0) == "stale"
+        assert pool.set_limit("eng", 4 * PCB, revision=1) == "conflict"
+        assert pool.set_limit("eng", 3 * PCB, revision=1) == "same"
+
+
+# ----------------------------------------------------- dead-engine reclaim
+
+def _start_holder(pool_name: str, tmp_path: pathlib.Path, blocks: int) -> subprocess.Popen[str]:
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from kvpool import Geometry, KVSpace, Pool
+        g = Geometry(1, 2, 4096, 256, page_bytes=16384)
+        s = KVSpace(g, pool=Pool({pool_name!r}, create=False), name="holder", reserve_thread=False, reserve=(0, 0))
+        ids = s.alloc({blocks})
+        print("ready", flush=True)
+        for line in sys.stdin:
+            if line.strip() == "free":
+                s.free(ids); s.trim(); print("freed", flush=True)
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_a_killed_tenant_has_its_budget_returned(pool_name: str, tmp_path: pathlib.Path) -> None:
+    pool = Pool(pool_name, capacity=8 * PCB)
+    p = _start_holder(pool_name, tmp_path, 32)  # the whole pool
+    try:
+        assert pool.committed == 8 * PCB
+        assert memfd_bytes(p.pid) == 8 * PCB
+        with KVSpace(G, pool=pool, name="me", reserve_thread=False, reserve=(0, 0)) as me:
+            with pytest.raises(PoolExhausted):
+                me.alloc(1)
+            p.kill()
+            p.wait()
+            assert len(me.alloc(32)) == 32  # the next claim reaps the dead tenant
+            assert [t.name for t in pool.tenants()] == ["me"]
+    finally:
+        stop(p)
+
+
+def test_a_tenant_killed_while_holding_the_ledger_mutex_is_reaped(pool_name: str, tmp_path: pathlib.Path) -> None:
+    pool = Pool(pool_name, capacity=8 * PCB)
+    code = textwrap.dedent(
+        f"""
+        import ctypes, mmap, os, sys, time
+        from kvpool import Geometry, KVSpace, Pool
+        g = Geometry(1, 2, 4096, 256, page_bytes=16384)
+        s = KVSpace(g, pool=Pool({pool_name!r}, create=False), name="victim", reserve_thread=False, reserve=(0, 0))
+        s.alloc(16)
+        f = open("/dev/shm/kvpool-{pool_name}", "r+b")
+        mm = mmap.mmap(f.fileno(), 0)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        libc = ctypes.CDLL(None)
+        assert libc.pthread_mutex_lock(ctypes.c_void_p(base + 16)) == 0  # the mutex follows magic+version
+        print("locked", flush=True)
+        time.sleep(60)
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "locked"
+        assert pool.committed == 4 * PCB
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        t0 = time.monotonic()
+        assert pool.tenants() == []  # EOWNERDEAD: made consistent, dead tenant reaped
+        assert time.monotonic() - t0 < 1.0
+        assert pool.committed == 0
+        with KVSpace(G, pool=pool, name="next", reserve_thread=False, reserve=(0, 0)) as s:
+            assert len(s.alloc(32)) == 32
+    finally:
+        stop(p)
+
+
+# --------------------------------------------------- many processes, kills
+
+@pytest.mark.timeout(120)
+def test_four_processes_with_kills_keep_the_ledger_exact(pool_name: str, tmp_path: pathlib.Path) -> None:
+    capacity = 24 * PCB  # small: tenants run into each other constantly
+    pool = Pool(pool_name, capacity=capacity)
+    ctl_path = tmp_path / "ctl"
+    ctl_path.write_bytes(bytes(64))
+    ctl = mmap.mmap(os.open(ctl_path, os.O_RDWR), 64)
+    procs: dict[int, subprocess.Popen[str]] = {}
+
+    pending: dict[int, subprocess.Popen[str]] = {}
+
+    def start(i: int) -> None:
+        # Non-blocking: a new tenant joins the sampled set once it says ready.
+        pending[i] = subprocess.Popen(
+            [sys.executable, str(CHILD), pool_name, str(i), str(ctl_path),
+             str(tmp_path / f"stats{i}-{time.monotonic_ns()}")],
+            cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+
+    def promote_ready() -> None:
+        for i, p in list(pending.items()):
+            assert p.stdout is not None
+            if select.select([p.stdout], [], [], 0)[0]:
+                assert p.stdout.readline().strip() == "ready"
+                procs[i] = pending.pop(i)
+
+    def sample() -> None:
+        ctl[0] = 1
+        deadline = time.monotonic() + 5
+        while any(ctl[1 + i] != 1 for i in procs) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert all(ctl[1 + i] == 1 for i in procs), "a tenant did not pause"
+        pool.reap()
+        real = sum(memfd_bytes(p.pid) for p in procs.values())
+        assert pool.committed == real, (pool.committed, real)
+        assert pool.committed <= capacity
+        assert sorted(t.pid for t in pool.tenants()) == sorted(p.pid for p in procs.values())
+        ctl[0] = 0
+
+    try:
+        for i in range(4):
+            start(i)
+        deadline = time.monotonic() + 30
+        while pending and time.monotonic() < deadline:
+            promote_ready()
+            time.sleep(0.01)
+        samples = kills = 0
+        end = time.monotonic() + 8
+        next_kill = time.monotonic() + 1
+        while time.monotonic() < end:
+            time.sleep(0.1)
+            promote_ready()
+            sample()
+            samples += 1
+            if time.monotonic() >= next_kill:
+                next_kill += 1
+                live = sorted(procs)
+                if not live:
+                    continue
+                victim = live[kills % len(live)]
+                procs[victim].send_signal(signal.SIGKILL)
+                stop(procs.pop(victim))
+                ctl[1 + victim] = 0
+                sample()  # the dead budget comes back at the next lock
+                start(victim)
+                kills += 1
+        assert kills >= 7 and samples >= 30
+    finally:
+        ctl[0] = 0
+        for p in [*procs.values(), *pending.values()]:
+            stop(p)
+    gaps = [float(f.read_text()) for f in tmp_path.glob("stats*") if f.read_text().strip()]
+    assert gaps and max(gaps) < 1000.0, f"a survivor stalled {max(gaps):.0f} ms"
+
+
+# --------------------------------------------------- cross-process wake-ups
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_waiter_is_granted_when_another_process_frees(
+    anyio_backend: str, pool_name: str, tmp_path: pathlib.Path
+) -> None:
+    import anyio
+
+    from kvpool import KVCacheManager
+
+    pool = Pool(pool_name, capacity=8 * PCB)
+    p = _start_holder(pool_name, tmp_path, 32)  # holds the whole pool
+    try:
+        async with KVCacheManager(G, pool=pool, name="waiter", reserve=(0, 0), reserve_thread=False) as m:
+            got: list[int] = []
+
+            async def want() -> None:
+                got.extend((await m.alloc(16)).tolist())
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(want)
+                for _ in range(20):
+                    await anyio.lowlevel.checkpoint()
+                assert got == [] and m.waiting == 1
+                assert [t.waiting for t in pool.tenants() if t.name == "waiter"] == [1]
+                assert p.stdin is not None
+                p.stdin.write("free\n")
+                p.stdin.flush()
+                # No Python call in this process: the release reaches us through
+                # the ledger futex -> native watcher -> eventfd -> event loop.
+                with anyio.fail_after(10):
+                    while not got:
+                        await anyio.sleep(0.001)
+            assert len(got) == 16
+    finally:
+        stop(p)
