@@ -24,11 +24,14 @@ def main() -> None:
     fd = os.open(ctl_path, os.O_RDWR)
     ctl = mmap.mmap(fd, 64)
     rng = random.Random(os.getpid())
-    space = KVSpace(g, pool=Pool(pool_name, create=False), name=f"t{index}-{os.getpid()}", reserve=(1, 2))
+    # No commit before "ready": until then the parent cannot pause us, so we
+    # must stay quiet; the reserve minimum is raised right after.
+    space = KVSpace(g, pool=Pool(pool_name, create=False), name=f"t{index}-{os.getpid()}", reserve=(0, 2))
     held: list[list[int]] = []
     last = time.monotonic()
     worst = 0.0
     print("ready", flush=True)
+    space.set_reserve(1, 2)
     while True:
         if ctl[0] == 1:
             space.settle(5)
