@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <thread>
+#include <utility>
 
 namespace kvpool {
 namespace {
@@ -42,23 +43,30 @@ bool valid_pool_name(const std::string& name) {
     return true;
 }
 
-uint64_t process_start_time(int32_t pid) {
+namespace {
+// State letter and start time of a process from /proc/<pid>/stat ('?' and 0
+// when it cannot be read).
+std::pair<char, uint64_t> process_stat(int32_t pid) {
     char path[64];
     std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
     FILE* f = std::fopen(path, "r");
-    if (!f) return 0;
+    if (!f) return {'?', 0};
     char buf[1024];
     size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
     std::fclose(f);
     buf[n] = 0;
-    // Field 2 (comm) may contain spaces: skip to the last ')'.
+    // Field 2 (comm) may contain spaces and parentheses: skip to the last ')'.
     const char* p = std::strrchr(buf, ')');
-    if (!p) return 0;
+    if (!p || p[1] != ' ') return {'?', 0};
+    const char state = p[2];
     int field = 2;
     for (++p; *p && field < 22; ++p)
         if (*p == ' ') ++field;
-    return std::strtoull(p, nullptr, 10);
+    return {state, std::strtoull(p, nullptr, 10)};
 }
+}  // namespace
+
+uint64_t process_start_time(int32_t pid) { return process_stat(pid).second; }
 
 std::shared_ptr<Ledger> Ledger::open(const std::string& name, int64_t capacity, bool create, Status* status) {
     if (!valid_pool_name(name)) {
@@ -189,7 +197,13 @@ int Ledger::reap_locked(bool check_start_time) {
         const int32_t pid = t.pid.load(std::memory_order_acquire);
         if (pid == 0) continue;
         bool dead = !pid_alive(pid);
-        if (!dead && check_start_time && t.start_time != 0) dead = process_start_time(pid) != t.start_time;
+        if (!dead) {
+            // A killed process stays a zombie until its parent waits for it,
+            // but its memory is already gone: zombies are dead tenants too.
+            const auto [state, start] = process_stat(pid);
+            dead = state == 'Z' || state == 'X' ||
+                   (check_start_time && t.start_time != 0 && start != 0 && start != t.start_time);
+        }
         if (!dead) continue;
         hdr_->committed_total.fetch_sub(t.committed.load());
         t.committed.store(0);
@@ -304,6 +318,9 @@ LimitResult Ledger::set_limit(int slot, int64_t bytes, int64_t revision) {
     else {
         t.limit.store(bytes);
         t.limit_revision.store(revision);
+        // Judge at once (the tenant re-reports as it gives pages back), so a
+        // reader never sees a new limit next to the old verdict.
+        t.limit_state.store(bytes >= 0 && t.committed.load() > bytes ? 1 : 0);
         bump_locked();
         r = LimitResult::Applied;
     }

@@ -344,3 +344,40 @@ async def test_a_waiter_is_granted_when_another_process_frees(
             assert len(got) == 16
     finally:
         stop(p)
+
+
+def test_a_killed_tenant_not_yet_waited_for_is_reaped(pool_name: str, tmp_path: pathlib.Path) -> None:
+    # Bug: a SIGKILLed tenant stays a zombie until its parent waits; kill(pid, 0)
+    # and the start time still matched, so its budget stayed claimed.
+    pool = Pool(pool_name, capacity=8 * PCB)
+    p = _start_holder(pool_name, tmp_path, 32)
+    try:
+        p.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # wait for the zombie, without reaping it
+            with open(f"/proc/{p.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.01)
+        assert pool.tenants() == [] and pool.committed == 0
+    finally:
+        stop(p)
+
+
+def test_a_new_limit_is_judged_at_once_even_if_the_tenant_cannot_report(
+    pool_name: str, tmp_path: pathlib.Path
+) -> None:
+    # Bug: limit_state was only what the tenant last reported, so right after
+    # `kvpool limit` a reader could see a limit below use next to "applied".
+    pool = Pool(pool_name, capacity=8 * PCB)
+    p = _start_holder(pool_name, tmp_path, 16)  # 4 pages
+    try:
+        p.send_signal(signal.SIGSTOP)  # its watcher cannot report anything now
+        assert pool.set_limit("holder", 2 * PCB) == "applied"
+        (t,) = pool.tenants()
+        assert (t.limit_bytes, t.limit_state) == (2 * PCB, "deferred")
+        assert pool.set_limit("holder", None) == "applied"
+        assert pool.tenants()[0].limit_state == "applied"
+    finally:
+        p.send_signal(signal.SIGCONT)
+        stop(p)
