@@ -41,7 +41,7 @@ from . import tracing
 from ._waitqueue import WaitQueue, Waiter, WaiterState
 from .errors import KVPoolError, PoolClosed, PoolExhausted
 from .geometry import Geometry
-from .pool import Pool
+from .pool import Pool, default_pool_name
 from .space import BlockIds, KVSpace, PageInfo, SpaceStats
 
 __all__ = ["Blocks", "KVCacheManager", "LimitState", "ManagerStats", "Reservation"]
@@ -144,7 +144,8 @@ class KVCacheManager:
 
     Args:
         geometry: the space's shape.
-        pool: the pool name (traced; the shared multi-engine ledger joins by it).
+        pool: the pool to join (a :class:`Pool` or its name; ``"default"``
+            means ``$KVPOOL_POOL`` if set); ``None``: no pool, a private budget.
         device: ``"cpu"``.
         name: this tenant's name (default ``<pid>-<n>``).
         null_block: hold block 0 for the engine's padding.
@@ -165,6 +166,8 @@ class KVCacheManager:
         limit_bytes: int | None = None,
     ) -> None:
         self.name = name if name is not None else f"{os.getpid()}-{next(_names)}"
+        if pool == "default":
+            pool = default_pool_name()
         self.space = KVSpace(
             geometry, device=device, null_block=null_block, reserve=reserve,
             reserve_thread=reserve_thread, limit_bytes=limit_bytes, pool=pool, name=self.name,

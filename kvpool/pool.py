@@ -40,6 +40,11 @@ def check_pool_name(name: object) -> str:
     return name
 
 
+def default_pool_name() -> str:
+    """The pool a manager joins by default: ``$KVPOOL_POOL``, else ``default``."""
+    return check_pool_name(os.environ.get("KVPOOL_POOL", "default"))
+
+
 def _mem_available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:

@@ -3,11 +3,23 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import os
+
 import pytest
 
-from kvpool import Geometry, KVSpace
+from kvpool import Geometry, KVSpace, Pool
 
 KiB = 1024
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_default_pool() -> Iterator[None]:
+    """Managers built with the default pool join a pool private to this run,
+    never the host's real ``default`` (children inherit the variable)."""
+    name = f"test-session-{os.getpid()}"
+    os.environ["KVPOOL_POOL"] = name
+    yield
+    Pool.remove(name)
 
 
 @pytest.fixture

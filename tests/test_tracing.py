@@ -25,7 +25,7 @@ def anyio_backend() -> str:
 @pytest.mark.anyio
 async def test_every_outcome_is_one_event_with_context_fields() -> None:
     with tracing.capture() as events:
-        async with KVCacheManager(G, pool="p1", name="engine-a", reserve=(0, 0), reserve_thread=False) as m:
+        async with KVCacheManager(G, pool=None, name="engine-a", reserve=(0, 0), reserve_thread=False) as m:
             with bind_request("req-1"):
                 ids = await m.alloc(20)  # 5 pages committed inline
             with bind_request("req-2"):
@@ -53,7 +53,7 @@ async def test_every_outcome_is_one_event_with_context_fields() -> None:
                     m.free(ids)
     by_name: dict[str, list[dict[str, object]]] = {}
     for e in events:
-        assert e["pool"] == "p1" and e["tenant"] == "engine-a"
+        assert e["pool"] == "-" and e["tenant"] == "engine-a"
         assert "request_id" in e
         by_name.setdefault(str(e["event"]), []).append(dict(e))
     granted = by_name["alloc.granted"]
