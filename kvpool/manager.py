@@ -185,7 +185,7 @@ class KVCacheManager:
         self._limit_revision = 0
         self._limit_state = LimitState.APPLIED
         self._counts = {"at_once": 0, "after_wait": 0, "timeouts": 0, "cancellations": 0, "shortages": 0}
-        self._log = tracing.get_logger(pool=pool, tenant=self.name)
+        self._log = tracing.get_logger(pool=self.pool, tenant=self.name)
         self._refresh_limit_state(log=False)
 
     # ------------------------------------------------------------------ alloc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -94,7 +95,8 @@ def test_json_output_with_kvpool_log_format(tmp_path) -> None:  # type: ignore[n
         asyncio.run(main())
         """
     )
-    env = {"KVPOOL_LOG_FORMAT": "json", "KVPOOL_LOG_LEVEL": "debug", "PATH": "/usr/bin:/bin"}
+    env = {"KVPOOL_LOG_FORMAT": "json", "KVPOOL_LOG_LEVEL": "debug", "PATH": "/usr/bin:/bin",
+           "KVPOOL_POOL": os.environ["KVPOOL_POOL"]}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                          cwd=tmp_path, check=True)
     lines = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
@@ -112,5 +114,6 @@ def test_default_output_is_quiet_for_per_request_events(tmp_path) -> None:  # ty
         "asyncio.run(main())\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path, check=True)
+                         env={"PATH": "/usr/bin:/bin", "KVPOOL_POOL": os.environ["KVPOOL_POOL"]},
+                         cwd=tmp_path, check=True)
     assert "alloc.granted" not in out.stderr
