@@ -1,0 +1,41 @@
+"""`kvpool demo` end to end: correctness, same requests in both modes, a real PNG, JSON figures."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.timeout(240)
+def test_a_short_demo_checks_itself_and_writes_its_figures(tmp_path: pathlib.Path) -> None:
+    plot = tmp_path / "demo.png"
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli", "demo", "--engines", "2", "--duration", "2", "--burst", "4",
+         "--pool-mib", "4", "--check", "3", "--plot", str(plot), "--json"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=220,
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    corr = data["correctness"]
+    assert corr["checked"] == 3 and corr["mismatches"] == []
+    assert corr["same_requests_served"] and corr["same_tokens_both_modes"]
+    for mode in ("elastic", "static"):
+        res = data[mode]
+        assert res["requests"] == data["requests"]
+        assert len(res["engines"]) == 2 and res["timeline"]
+        assert all(e["peak_committed_bytes"] > 0 for e in res["engines"])
+    assert data["static"]["slice_bytes"] == (4 << 20) // 2
+    assert all(e["peak_committed_bytes"] <= data["static"]["slice_bytes"] for e in data["static"]["engines"])
+    assert set(data["ratios_elastic_over_static"]) >= {"tokens_per_s", "ttft_p99", "wait"}
+    png = plot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_bad_demo_arguments_exit_2(tmp_path: pathlib.Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "demo", "--engines", "0", "--no-live"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2 and "--engines" in out.stderr
