@@ -474,10 +474,10 @@ async def main_async(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=3, help="engines sharing the pool (default 3)")
-    p.add_argument("--pool-mib", type=int, default=12, help="pool size in MiB (default 12)")
+    p.add_argument("--pool-mib", type=int, default=8, help="pool size in MiB (default 8)")
     p.add_argument("--blocks", type=int, default=4096, help="virtual blocks per engine (default 4096)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of request arrivals (default 10)")
-    p.add_argument("--burst", type=int, default=16, help="requests per burst (default 16)")
+    p.add_argument("--burst", type=int, default=24, help="requests per burst (default 24)")
     p.add_argument("--seed", type=int, default=0, help="trace and weights seed")
     p.add_argument("--check", type=int, default=6, help="requests re-decoded with a contiguous cache")
     p.add_argument("--plot", default="kvpool-demo.png", help="where to write the PNG plot")
