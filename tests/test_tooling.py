@@ -50,6 +50,18 @@ def test_pool_benchmark_runs_and_writes_its_ratio(tmp_path: pathlib.Path) -> Non
     assert data["ratio_p50"] > 0 and len(data["cross_process_us"]["raw"]) == data["rounds"]
 
 
+@pytest.mark.timeout(180)
+def test_peer_benchmark_runs_against_its_floor(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "bench.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--quick", "--json", str(out)],
+        check=True, cwd=tmp_path, capture_output=True,
+    )
+    text = out.read_text()
+    json.loads(text)
+    assert "ratio" in text and "floor" in text
+
+
 @pytest.mark.timeout(300)
 def test_package_passes_mypy_strict() -> None:
     if shutil.which("mypy") is None and not _has_module("mypy"):
