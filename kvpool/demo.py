@@ -300,31 +300,130 @@ async def run_mode(mode: str, args: argparse.Namespace, trace: list[Request], mo
             await mon
         except asyncio.CancelledError:
             pass
-        per_engine = []
-        for eng in engines:
-            ttft = [r.first_token - r.arrived for r in eng.finished]
-            per_engine.append({
-                "engine": eng.index, "requests": len(eng.finished), "tokens": eng.tokens,
-                "tokens_per_s": eng.tokens / elapsed,
-                "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
-                "wait_s": eng.wait_s, "peak_committed_bytes": peak[eng.index],
-            })
-        all_ttft = [r.first_token - r.arrived for eng in engines for r in eng.finished]
-        outputs = {r.rid: r.output for eng in engines for r in eng.finished}
-        return {
-            "mode": mode, "elapsed_s": elapsed, "pool_bytes": pool_bytes,
-            "slice_bytes": slice_bytes if mode == "static" else None,
-            "requests": sum(p["requests"] for p in per_engine),
-            "tokens": sum(p["tokens"] for p in per_engine),
-            "tokens_per_s": sum(p["tokens"] for p in per_engine) / elapsed,
-            "ttft_p50_s": _pct(all_ttft, 50), "ttft_p99_s": _pct(all_ttft, 99),
-            "wait_s": sum(p["wait_s"] for p in per_engine),
-            "engines": per_engine, "timeline": timeline, "outputs": outputs,
-        }
+        return summarize(mode, args, elapsed, timeline, [
+            {"engine": eng.index, "ttft": [r.first_token - r.arrived for r in eng.finished],
+             "requests": len(eng.finished), "tokens": eng.tokens, "wait_s": eng.wait_s,
+             "peak_committed_bytes": peak[eng.index], "outputs": {r.rid: r.output for r in eng.finished}}
+            for eng in engines
+        ])
     finally:
         for eng in engines:
             await eng.m.aclose()
         Pool.remove(pool_name)
+
+
+def summarize(mode: str, args: argparse.Namespace, elapsed: float, timeline: list[dict[str, Any]],
+              raw: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's figures from each engine's raw results (same shape in- or cross-process)."""
+    pool_bytes = args.pool_mib << 20
+    per_engine = [{
+        "engine": r["engine"], "requests": r["requests"], "tokens": r["tokens"],
+        "tokens_per_s": r["tokens"] / elapsed, "ttft_p50_s": _pct(r["ttft"], 50),
+        "ttft_p99_s": _pct(r["ttft"], 99), "wait_s": r["wait_s"],
+        "peak_committed_bytes": r["peak_committed_bytes"],
+    } for r in raw]
+    all_ttft = [t for r in raw for t in r["ttft"]]
+    return {
+        "mode": mode, "elapsed_s": elapsed, "pool_bytes": pool_bytes,
+        "slice_bytes": pool_bytes // args.engines if mode == "static" else None,
+        "processes": bool(args.processes),
+        "requests": sum(p["requests"] for p in per_engine),
+        "tokens": sum(p["tokens"] for p in per_engine),
+        "tokens_per_s": sum(p["tokens"] for p in per_engine) / elapsed,
+        "ttft_p50_s": _pct(all_ttft, 50), "ttft_p99_s": _pct(all_ttft, 99),
+        "wait_s": sum(p["wait_s"] for p in per_engine),
+        "engines": per_engine, "timeline": timeline,
+        "outputs": {rid: out for r in raw for rid, out in r["outputs"].items()},
+    }
+
+
+# ------------------------------------------------- one process per engine
+
+async def run_mode_processes(mode: str, args: argparse.Namespace, live: Any) -> dict[str, Any]:
+    """Each engine in its own process, joined only by the pool ledger."""
+    import subprocess
+
+    pool_bytes = args.pool_mib << 20
+    pool_name = f"demo-{mode}-{uuid.uuid4().hex[:6]}"
+    pool = Pool(pool_name, capacity=pool_bytes)
+    argv = [f"--engines={args.engines}", f"--pool-mib={args.pool_mib}", f"--blocks={args.blocks}",
+            f"--duration={args.duration}", f"--burst={args.burst}", f"--seed={args.seed}"]
+    procs = [subprocess.Popen([sys.executable, "-m", "kvpool.demo", "--worker", mode, str(e), pool_name, *argv],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for e in range(args.engines)]
+    timeline: list[dict[str, Any]] = []
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            line = await asyncio.to_thread(p.stdout.readline)
+            if line.strip() != "ready":
+                raise RuntimeError(f"demo worker failed to start: {line!r}")
+        t0 = time.perf_counter() + 0.2  # CLOCK_MONOTONIC: one clock for every process
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write(f"{t0!r}\n")
+            p.stdin.flush()
+        results: list[Any] = [None] * len(procs)
+
+        async def collect(i: int, p: Any) -> None:
+            results[i] = json.loads(await asyncio.to_thread(p.stdout.read))
+
+        collectors = [asyncio.create_task(collect(i, p)) for i, p in enumerate(procs)]
+        while not all(c.done() for c in collectors):
+            now = time.perf_counter() - t0
+            tenants = {t.name: t for t in pool.tenants()}
+            row: dict[str, Any] = {"t": round(now, 3)}
+            for e in range(args.engines):
+                t = tenants.get(f"engine-{e}")
+                row[f"engine-{e}"] = t.committed_bytes if t else 0
+            timeline.append(row)
+            if live is not None:
+                live(mode, [(e, tenants.get(f"engine-{e}")) for e in range(args.engines)], now)
+            await asyncio.sleep(0.1)
+        await asyncio.gather(*collectors)
+        elapsed = max(r["end"] for r in results) - t0
+        return summarize(mode, args, elapsed, timeline, results)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            for pipe in (p.stdin, p.stdout):
+                if pipe is not None:
+                    pipe.close()
+        Pool.remove(pool_name)
+
+
+async def worker(mode: str, index: int, pool_name: str, args: argparse.Namespace) -> None:
+    """The engine process of ``--processes``: serve this engine's share of the trace."""
+    torch.set_num_threads(1)
+    model = TinyDecoder(args.seed)
+    trace = [r for r in make_trace(args.engines, args.duration, args.burst, args.seed) if r.engine == index]
+    geometry = Geometry(LAYERS, 2, BLOCK_BYTES, args.blocks, page_bytes=PAGE_BYTES)
+    m = KVCacheManager(geometry, pool=Pool(pool_name, create=False), name=f"engine-{index}", reserve=(1, 2))
+    if mode == "static":
+        await m.set_limit((args.pool_mib << 20) // args.engines)
+    eng = Engine(index, m, model)
+    greedy(model, trace[0].prompt, 4, ContiguousKV())  # warm up before the clock starts
+    print("ready", flush=True)
+    t0 = float(await asyncio.to_thread(sys.stdin.readline))
+    peak = 0
+
+    async def monitor() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, m.stats().committed_bytes)
+            await asyncio.sleep(0.05)
+
+    mon = asyncio.create_task(monitor())
+    await asyncio.gather(eng.admit(trace, t0), eng.serve(len(trace)))
+    end = time.perf_counter()
+    mon.cancel()
+    peak = max(peak, m.stats().committed_bytes)
+    await m.aclose()
+    json.dump({"engine": index, "ttft": [r.first_token - r.arrived for r in eng.finished],
+               "requests": len(eng.finished), "tokens": eng.tokens, "wait_s": eng.wait_s,
+               "peak_committed_bytes": peak, "outputs": {r.rid: r.output for r in eng.finished},
+               "end": end}, sys.stdout)
 
 
 def check_correctness(model: TinyDecoder, trace: list[Request], outputs: dict[str, list[int]],
@@ -418,15 +517,20 @@ async def main_async(args: argparse.Namespace) -> int:
     show_live = not args.no_live and console.is_terminal
     live_ctx = Live(console=console, refresh_per_second=4, transient=True) if show_live else None
 
-    def render(mode: str, engines: list[Engine], now: float) -> None:
+    def render(mode: str, engines: list[Any], now: float) -> None:
         if live_ctx is None:
             return
         t = Table(title=f"{mode} run, t = {now:5.1f} s")
         for col in ("engine", "running", "waiting", "done", "committed MiB"):
             t.add_column(col, justify="right")
         for eng in engines:
-            t.add_row(str(eng.index), str(len(eng.running)), str(eng.waiting), str(len(eng.finished)),
-                      f"{eng.m.stats().committed_bytes / 2**20:.1f}")
+            if isinstance(eng, Engine):
+                t.add_row(str(eng.index), str(len(eng.running)), str(eng.waiting), str(len(eng.finished)),
+                          f"{eng.m.stats().committed_bytes / 2**20:.1f}")
+            else:  # (index, TenantInfo | None) from the pool ledger
+                e, info = eng
+                t.add_row(str(e), "-", str(info.waiting if info else 0), "-",
+                          f"{(info.committed_bytes if info else 0) / 2**20:.1f}")
         live_ctx.update(t)
 
     if not args.json:
@@ -434,11 +538,13 @@ async def main_async(args: argparse.Namespace) -> int:
                       f"{args.pool_mib} MiB ({args.pool_mib / args.engines:.1f} MiB a slice when static)")
     results: dict[str, dict[str, Any]] = {}
     for mode in ("elastic", "static"):
+        runner = run_mode_processes(mode, args, render) if args.processes else run_mode(
+            mode, args, trace, model, render)
         if live_ctx is not None:
             with live_ctx:
-                results[mode] = await run_mode(mode, args, trace, model, render)
+                results[mode] = await runner
         else:
-            results[mode] = await run_mode(mode, args, trace, model, None)
+            results[mode] = await runner
         if not args.json:
             console.print(f"{mode}: {results[mode]['requests']} requests in {results[mode]['elapsed_s']:.1f} s")
     served_same = set(results["elastic"]["outputs"]) == set(results["static"]["outputs"]) == {r.rid for r in trace}
@@ -482,9 +588,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", type=int, default=6, help="requests re-decoded with a contiguous cache")
     p.add_argument("--plot", default="kvpool-demo.png", help="where to write the PNG plot")
     p.add_argument("--device", default="cpu", choices=["cpu"], help="cpu (cuda lands with the CUDA backend)")
+    p.add_argument("--processes", action="store_true",
+                   help="one process per engine, joined only by the pool (default: one process)")
     p.add_argument("--no-live", action="store_true", help="no live progress table")
     p.add_argument("--json", action="store_true", help="print every figure as JSON on stdout")
 
 
 def run(args: argparse.Namespace) -> int:
     return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    # Worker entry of `kvpool demo --processes`: kvpool.demo --worker MODE INDEX POOL [options]
+    if len(sys.argv) > 4 and sys.argv[1] == "--worker":
+        ap = argparse.ArgumentParser()
+        add_arguments(ap)
+        wargs = ap.parse_args(sys.argv[5:])
+        asyncio.run(worker(sys.argv[2], int(sys.argv[3]), sys.argv[4], wargs))

@@ -35,6 +35,23 @@ def test_a_short_demo_checks_itself_and_writes_its_figures(tmp_path: pathlib.Pat
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
+@pytest.mark.timeout(240)
+def test_one_process_per_engine_serves_the_same_requests_correctly(tmp_path: pathlib.Path) -> None:
+    plot = tmp_path / "demo.png"
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli", "demo", "--processes", "--engines", "2", "--duration", "2",
+         "--burst", "3", "--pool-mib", "4", "--check", "2", "--plot", str(plot), "--json"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=220,
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["correctness"]["mismatches"] == [] and data["correctness"]["same_requests_served"]
+    assert data["elastic"]["processes"] and data["static"]["requests"] == data["requests"]
+    # The parent saw the engines only through the pool ledger, and saw them commit.
+    assert any(row["engine-0"] > 0 for row in data["elastic"]["timeline"])
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_bad_demo_arguments_exit_2(tmp_path: pathlib.Path) -> None:
     out = subprocess.run([sys.executable, "-m", "kvpool.cli", "demo", "--engines", "0", "--no-live"],
                          capture_output=True, text=True, cwd=tmp_path)
