@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts (``bench_native.py``, ``bench_async.py``).
+"""Helpers shared by the benchmark scripts (``bench_native.py``, ``bench_async.py``, ``bench_peers.py``).
 
 The scripts run as ``python scripts/bench_x.py``, which puts this folder on
 ``sys.path``, so they import this module as plain ``_benchlib``.
@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
+import inspect
 import json
 import os
 import platform
+import statistics
 import sys
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from importlib import metadata
 from typing import Any
@@ -39,6 +42,100 @@ def no_gc() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+# --------------------------------------------------------------- timing loops
+#
+# A body ``body(iters)`` runs its own loop of ``iters`` iterations; the helpers
+# time whole loops.  ``loop_ns``, ``calibrate``, ``repeat_ns`` (and ``no_gc``,
+# ``_next_iters``) use only the standard library, so ``timing_source`` can ship
+# them to another interpreter (bench_peers.py's vLLM snippet).
+
+SyncBody = Callable[[int], None]
+AsyncBody = Callable[[int], Awaitable[None]]
+MAX_ITERS = 1 << 30  # calibration stops growing the loop here
+
+
+def _next_iters(iters: int, elapsed_ns: int, target_s: float, max_iters: int) -> int:
+    """The calibrated iteration count once a loop of ``iters`` took ``elapsed_ns``, or 0 to try 4x more."""
+    elapsed = elapsed_ns / 1e9
+    if elapsed >= target_s / 4 or iters >= max_iters:
+        return max(16, int(iters * target_s / max(elapsed, 1e-9)))
+    return 0
+
+
+def loop_ns(body: SyncBody, iters: int) -> float:
+    """Mean ns of one iteration of ``body`` over ``iters`` iterations (``body`` runs the loop)."""
+    t0 = time.perf_counter_ns()
+    body(iters)
+    return (time.perf_counter_ns() - t0) / iters
+
+
+def calibrate(body: SyncBody, target_s: float, max_iters: int = MAX_ITERS) -> int:
+    """Iterations for which one run of ``body`` lasts about ``target_s``."""
+    iters = 16
+    while True:
+        t0 = time.perf_counter_ns()
+        body(iters)
+        found = _next_iters(iters, time.perf_counter_ns() - t0, target_s, max_iters)
+        if found:
+            return found
+        iters *= 4
+
+
+def repeat_ns(body: SyncBody, repeats: int, target_s: float, max_iters: int = MAX_ITERS) -> dict[str, Any]:
+    """Warm up, calibrate, then time ``repeats`` loops with the GC off; median and raw values."""
+    with no_gc():
+        body(16)  # warm-up
+        iters = calibrate(body, target_s, max_iters)
+        runs = [loop_ns(body, iters) for _ in range(repeats)]
+    return {"median_ns": statistics.median(runs), "runs_ns": runs, "iters": iters}
+
+
+async def aloop_ns(body: AsyncBody, iters: int) -> float:
+    """:func:`loop_ns` for a coroutine body."""
+    t0 = time.perf_counter_ns()
+    await body(iters)
+    return (time.perf_counter_ns() - t0) / iters
+
+
+async def acalibrate(body: AsyncBody, target_s: float, max_iters: int = MAX_ITERS) -> int:
+    """:func:`calibrate` for a coroutine body."""
+    iters = 16
+    while True:
+        t0 = time.perf_counter_ns()
+        await body(iters)
+        found = _next_iters(iters, time.perf_counter_ns() - t0, target_s, max_iters)
+        if found:
+            return found
+        iters *= 4
+
+
+async def arepeat_ns(body: AsyncBody, repeats: int, target_s: float, max_iters: int = MAX_ITERS) -> dict[str, Any]:
+    """:func:`repeat_ns` for a coroutine body."""
+    with no_gc():
+        await body(16)  # warm-up
+        iters = await acalibrate(body, target_s, max_iters)
+        runs = [await aloop_ns(body, iters) for _ in range(repeats)]
+    return {"median_ns": statistics.median(runs), "runs_ns": runs, "iters": iters}
+
+
+_TIMING_IMPORTS = """\
+import gc, statistics, time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+SyncBody = Callable[[int], None]
+MAX_ITERS = 1 << 30
+
+"""
+
+
+def timing_source() -> str:
+    """Standalone source (stdlib only) defining ``no_gc``, ``loop_ns``, ``calibrate`` and ``repeat_ns``."""
+    funcs = (no_gc, _next_iters, loop_ns, calibrate, repeat_ns)
+    return _TIMING_IMPORTS + "\n\n".join(inspect.getsource(f) for f in funcs)
 
 
 def geo_info(geo: Geometry) -> dict[str, Any]:

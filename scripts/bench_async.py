@@ -78,7 +78,7 @@ import os
 import statistics
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -86,7 +86,9 @@ from typing import Any
 import numpy as np
 from _benchlib import (  # scripts/, on sys.path when a script runs
     BIG_RESERVE,
+    AsyncBody,
     KiB,
+    arepeat_ns,
     geo_info,
     machine_info,
     no_gc,
@@ -146,35 +148,9 @@ def _no_page_syscalls(m: KVCacheManager, what: str) -> Iterator[None]:
 # --------------------------------------------------------------- timing helpers
 
 
-Body = Callable[[int], Awaitable[None]]
-
-
-async def _loop_ns(body: Body, iters: int) -> float:
-    """Mean ns of one iteration of ``body`` over ``iters`` iterations (``body`` runs the loop)."""
-    t0 = time.perf_counter_ns()
-    await body(iters)
-    return (time.perf_counter_ns() - t0) / iters
-
-
-async def _calibrate(body: Body, target_s: float) -> int:
-    """Iterations for which one run of ``body`` lasts about ``target_s``."""
-    iters = 16
-    while True:
-        t0 = time.perf_counter_ns()
-        await body(iters)
-        elapsed = (time.perf_counter_ns() - t0) / 1e9
-        if elapsed >= target_s / 4 or iters >= 1 << 24:
-            return max(16, int(iters * target_s / max(elapsed, 1e-9)))
-        iters *= 4
-
-
-async def _repeat(body: Body, settings: Settings) -> dict[str, Any]:
+async def _repeat(body: AsyncBody, settings: Settings) -> dict[str, Any]:
     """Calibrate, then time ``settings.repeats`` repeats; median and raw values."""
-    with no_gc():
-        await body(16)  # warm-up
-        iters = await _calibrate(body, settings.target_s)
-        runs = [await _loop_ns(body, iters) for _ in range(settings.repeats)]
-    return {"median_ns": statistics.median(runs), "runs_ns": runs, "iters": iters}
+    return await arepeat_ns(body, settings.repeats, settings.target_s, max_iters=1 << 24)
 
 
 def _pct(sorted_values: list[int], q: float) -> float:

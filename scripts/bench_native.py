@@ -55,7 +55,6 @@ import ctypes.util
 import os
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -64,11 +63,13 @@ from _benchlib import (  # scripts/, on sys.path when a script runs
     BIG_RESERVE,
     KiB,
     MiB,
+    SyncBody,
     geo_info,
     machine_info,
     no_gc,
     parse_args,
     read_text,
+    repeat_ns,
     utc_now,
     write_json,
 )
@@ -100,32 +101,9 @@ QUICK = Settings(repeats=3, target_s=0.03, page_iters=8, page_repeats=3,
 # --------------------------------------------------------------- timing helpers
 
 
-def _loop_ns(body: Callable[[int], None], iters: int) -> float:
-    """Mean ns of one call of ``body`` over ``iters`` calls (``body`` runs the loop)."""
-    t0 = time.perf_counter_ns()
-    body(iters)
-    return (time.perf_counter_ns() - t0) / iters
-
-
-def _calibrate(body: Callable[[int], None], target_s: float) -> int:
-    """Iterations for which one run of ``body`` lasts about ``target_s``."""
-    iters = 16
-    while True:
-        t0 = time.perf_counter_ns()
-        body(iters)
-        elapsed = (time.perf_counter_ns() - t0) / 1e9
-        if elapsed >= target_s / 4 or iters >= 1 << 24:
-            return max(16, int(iters * target_s / max(elapsed, 1e-9)))
-        iters *= 4
-
-
-def _repeat(body: Callable[[int], None], settings: Settings) -> dict[str, Any]:
+def _repeat(body: SyncBody, settings: Settings) -> dict[str, Any]:
     """Calibrate, then time ``settings.repeats`` repeats; median and raw values."""
-    with no_gc():
-        body(16)  # warm-up
-        iters = _calibrate(body, settings.target_s)
-        runs = [_loop_ns(body, iters) for _ in range(settings.repeats)]
-    return {"median_ns": statistics.median(runs), "runs_ns": runs, "iters": iters}
+    return repeat_ns(body, settings.repeats, settings.target_s, max_iters=1 << 24)
 
 
 # -------------------------------------------------------- figure 1: round trip

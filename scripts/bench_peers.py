@@ -96,11 +96,10 @@ import ctypes
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -109,11 +108,15 @@ from typing import Any
 import numpy as np
 from _benchlib import (  # scripts/, on sys.path when a script runs
     BIG_RESERVE,
+    AsyncBody,
     KiB,
+    SyncBody,
+    arepeat_ns,
     geo_info,
     machine_info,
-    no_gc,
     parse_args,
+    repeat_ns,
+    timing_source,
     utc_now,
     version,
     write_json,
@@ -164,61 +167,14 @@ def _held_mask(num_blocks: int, seed: int = 0) -> np.ndarray:
 # --------------------------------------------------------------- timing helpers
 
 
-def _loop_ns(body: Callable[[int], None], iters: int) -> float:
-    """Mean ns of one iteration of ``body`` over ``iters`` iterations (``body`` runs the loop)."""
-    t0 = time.perf_counter_ns()
-    body(iters)
-    return (time.perf_counter_ns() - t0) / iters
-
-
-def _calibrate(body: Callable[[int], None], target_s: float) -> int:
-    """Iterations for which one run of ``body`` lasts about ``target_s``."""
-    iters = 16
-    while True:
-        t0 = time.perf_counter_ns()
-        body(iters)
-        elapsed = (time.perf_counter_ns() - t0) / 1e9
-        if elapsed >= target_s / 4 or iters >= 1 << 30:
-            return max(16, int(iters * target_s / max(elapsed, 1e-9)))
-        iters *= 4
-
-
-def _repeat(body: Callable[[int], None], settings: Settings) -> dict[str, Any]:
+def _repeat(body: SyncBody, settings: Settings) -> dict[str, Any]:
     """Calibrate, then time ``settings.repeats`` repeats; median and raw values."""
-    with no_gc():
-        body(16)  # warm-up
-        iters = _calibrate(body, settings.target_s)
-        runs = [_loop_ns(body, iters) for _ in range(settings.repeats)]
-    return {"median_ns": statistics.median(runs), "runs_ns": runs, "iters": iters}
-
-
-AsyncBody = Callable[[int], Awaitable[None]]
-
-
-async def _aloop_ns(body: AsyncBody, iters: int) -> float:
-    t0 = time.perf_counter_ns()
-    await body(iters)
-    return (time.perf_counter_ns() - t0) / iters
-
-
-async def _acalibrate(body: AsyncBody, target_s: float) -> int:
-    iters = 16
-    while True:
-        t0 = time.perf_counter_ns()
-        await body(iters)
-        elapsed = (time.perf_counter_ns() - t0) / 1e9
-        if elapsed >= target_s / 4 or iters >= 1 << 30:
-            return max(16, int(iters * target_s / max(elapsed, 1e-9)))
-        iters *= 4
+    return repeat_ns(body, settings.repeats, settings.target_s)
 
 
 async def _arepeat(body: AsyncBody, settings: Settings) -> dict[str, Any]:
     """:func:`_repeat` for a coroutine body."""
-    with no_gc():
-        await body(16)  # warm-up
-        iters = await _acalibrate(body, settings.target_s)
-        runs = [await _aloop_ns(body, iters) for _ in range(settings.repeats)]
-    return {"median_ns": statistics.median(runs), "runs_ns": runs, "iters": iters}
+    return await arepeat_ns(body, settings.repeats, settings.target_s)
 
 
 # ------------------------------------------------------------- the C++ floor
@@ -391,35 +347,7 @@ def make_pool(usable, caching):
     return pool, {k: v for k, v in kwargs.items()}, str(sig)
 
 
-def loop_ns(body, iters):
-    t0 = time.perf_counter_ns()
-    body(iters)
-    return (time.perf_counter_ns() - t0) / iters
-
-
-def calibrate(body, target_s):
-    iters = 16
-    while True:
-        t0 = time.perf_counter_ns()
-        body(iters)
-        elapsed = (time.perf_counter_ns() - t0) / 1e9
-        if elapsed >= target_s / 4 or iters >= 1 << 30:
-            return max(16, int(iters * target_s / max(elapsed, 1e-9)))
-        iters *= 4
-
-
-def repeat(body):
-    gc.collect()
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        body(16)
-        iters = calibrate(body, cfg["target_s"])
-        runs = [loop_ns(body, iters) for _ in range(cfg["repeats"])]
-    finally:
-        if was:
-            gc.enable()
-    return {"median_ns": statistics.median(runs), "runs_ns": runs, "iters": iters}
+# @timing@ (no_gc, loop_ns, calibrate, repeat_ns: spliced in from _benchlib.timing_source())
 
 
 def bodies(pool, n):
@@ -440,7 +368,7 @@ def bodies(pool, n):
 
 def timed(pool, body):
     before = pool.get_num_free_blocks()
-    res = repeat(body)
+    res = repeat_ns(body, cfg["repeats"], cfg["target_s"])
     if pool.get_num_free_blocks() != before:
         raise RuntimeError(f"free blocks moved while timing: {before} -> {pool.get_num_free_blocks()}")
     return res
@@ -479,6 +407,7 @@ for size in cfg["scale_sizes"]:
 
 print("\n" + cfg["mark"] + json.dumps(out), flush=True)
 '''
+VLLM_SNIPPET = VLLM_SNIPPET.replace("# @timing@", timing_source() + "\n\n# @timing@", 1)
 
 
 def _vllm_python() -> tuple[str | None, str]:
