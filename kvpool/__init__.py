@@ -22,6 +22,7 @@ from .pool import list_pools as list_pools
 from .space import KVSpace as KVSpace
 from .space import PageInfo as PageInfo
 from .space import SpaceStats as SpaceStats
+from .space import cuda_unavailable_reason as cuda_unavailable_reason
 from .tracing import bind_request as bind_request
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ __all__ = [
     "ManagerStats",
     "Reservation",
     "bind_request",
+    "cuda_unavailable_reason",
     "Geometry",
     "GeometryError",
     "InvalidBlocks",

@@ -19,6 +19,9 @@ CODE_CLOSED: int = 4
 def cpu_granularity() -> int:
     """Smallest page size step of the CPU backend."""
 
+def cuda_unavailable_reason() -> str:
+    """Why the CUDA backend cannot be used here (empty when it can)."""
+
 def page_ranges(page_bytes: int, block_bytes: int, num_blocks: int) -> tuple[object, object]:
     """Per-page block ranges [first, last) of a geometry (the one formula)."""
 

@@ -23,7 +23,7 @@ from .errors import GeometryError, InvalidBlocks, PoolClosed
 from .geometry import Geometry
 from .pool import Pool
 
-__all__ = ["KVSpace", "PageInfo", "SpaceStats"]
+__all__ = ["KVSpace", "PageInfo", "SpaceStats", "cuda_unavailable_reason"]
 
 BlockIds = npt.NDArray[np.int64]
 PageStateName = Literal["free", "committing", "reserve", "active", "releasing"]
@@ -69,6 +69,19 @@ class PageInfo:
     capacity: int
 
 
+def cuda_unavailable_reason() -> str:
+    """Why the CUDA backend cannot be used on this machine ("" when it can)."""
+    return str(_core.native.cuda_unavailable_reason())
+
+
+def _normalize_device(device: str) -> str:
+    if device == "cpu":
+        return device
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        return device if ":" in device else "cuda:0"
+    raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
 def _as_ids(blocks: Any) -> BlockIds:
     """Validate the container of a free batch; ids themselves are checked natively."""
     if isinstance(blocks, torch.Tensor):
@@ -91,7 +104,8 @@ class KVSpace:
 
     Args:
         geometry: the space's shape.
-        device: ``"cpu"`` (memfd backend).
+        device: ``"cpu"`` (memfd backend) or ``"cuda[:N]"`` (driver VMM API,
+            loaded at run time; see :func:`cuda_unavailable_reason`).
         null_block: hold block 0 from the start and never hand it out.
         reserve: ``(min, max)`` idle committed pages kept ready.
         reserve_thread: run the background thread that keeps the reserve;
@@ -114,10 +128,9 @@ class KVSpace:
     ) -> None:
         if not isinstance(geometry, Geometry):
             raise TypeError(f"geometry must be a kvpool.Geometry, got {type(geometry).__name__}")
-        if device != "cpu":
-            raise ValueError(f"device {device!r} is not supported yet; use 'cpu'")
+        device = _normalize_device(device)
         gran = int(_core.native.cpu_granularity())
-        if geometry.page_bytes % gran:
+        if device == "cpu" and geometry.page_bytes % gran:
             fix = math.ceil(geometry.page_bytes / gran) * gran
             raise GeometryError(
                 f"page_bytes ({geometry.page_bytes}) is not a multiple of the {device} backend "
@@ -138,7 +151,9 @@ class KVSpace:
             self.pool._ledger if self.pool is not None else None, self.name,
         )
         if space is None:
-            _core.raise_status(code, f"cannot create KV space: {msg}")
+            if code == _core.CODE_INVALID:
+                raise GeometryError(f"cannot create KV space on {device}: {msg}")
+            _core.raise_status(code, f"cannot create KV space on {device}: {msg}")
         self._space = cast(_core.native.Space, space)
         self._regions: list[torch.Tensor] | None = None
 

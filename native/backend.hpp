@@ -38,4 +38,9 @@ int64_t cpu_granularity();
 // Creates the CPU backend; on failure returns nullptr and fills *status.
 std::unique_ptr<Backend> make_cpu_backend(const BackendConfig& cfg, Status* status);
 
+// The CUDA backend (driver loaded at run time); nullptr + *status on failure.
+std::unique_ptr<Backend> make_cuda_backend(const BackendConfig& cfg, int device, Status* status);
+// Why CUDA cannot be used here ("" when it can); loads the driver on first call.
+std::string cuda_unavailable_reason();
+
 }  // namespace kvpool

@@ -10,6 +10,7 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 
@@ -81,6 +82,8 @@ NB_MODULE(_native, m) {
     m.attr("CODE_CLOSED") = static_cast<int>(Code::Closed);
 
     m.def("cpu_granularity", &kvpool::cpu_granularity, "Smallest page size step of the CPU backend.");
+    m.def("cuda_unavailable_reason", &kvpool::cuda_unavailable_reason, nb::call_guard<nb::gil_scoped_release>(),
+          "Why the CUDA backend cannot be used here (empty when it can).");
 
     m.def(
         "page_ranges",
@@ -312,6 +315,8 @@ NB_MODULE(_native, m) {
                 std::unique_ptr<kvpool::Backend> backend;
                 if (device == "cpu") {
                     backend = kvpool::make_cpu_backend(bc, &st);
+                } else if (device.rfind("cuda:", 0) == 0) {
+                    backend = kvpool::make_cuda_backend(bc, std::atoi(device.c_str() + 5), &st);
                 } else {
                     st = Status::make(Code::Invalid, "unknown device '" + device + "'");
                 }

@@ -12,6 +12,27 @@ from kvpool import Geometry, KVSpace, Pool
 KiB = 1024
 
 
+FAKE_CUDA_SRC = os.path.join(os.path.dirname(__file__), "fake_cuda", "fake_libcuda.c")
+FAKE_GRANULARITY = 4096
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fake_cuda_driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str | None]:
+    """Build the fake libcuda and point kvpool at it for this run (set before any
+    cuda space is made: the driver is loaded once per process). None without gcc."""
+    import shutil
+    import subprocess
+
+    if shutil.which("gcc") is None or os.environ.get("KVPOOL_REAL_CUDA") == "1":
+        yield None  # scripts/gpu_check.sh runs against the real driver
+        return
+    out = str(tmp_path_factory.mktemp("fake_cuda") / "libcuda.so.1")
+    subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", out, FAKE_CUDA_SRC], check=True)
+    os.environ["KVPOOL_LIBCUDA"] = out
+    os.environ["FAKE_CUDA_GRANULARITY"] = str(FAKE_GRANULARITY)
+    yield out
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_default_pool() -> Iterator[None]:
     """Managers built with the default pool join a pool private to this run,

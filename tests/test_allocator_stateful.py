@@ -10,6 +10,7 @@ must leave the state exactly as it was.
 from __future__ import annotations
 
 import errno
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -18,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvpool import BackendError, Geometry, InvalidBlocks, KVSpace, PoolExhausted
 
-from .conftest import KiB, snapshot
+from .conftest import FAKE_GRANULARITY, KiB, snapshot
 
 # 6 KiB blocks on 16 KiB pages: 2 or 3 blocks a page, with straddlers.
 GEOMETRY = Geometry(1, 2, 6 * KiB, 40, page_bytes=16 * KiB)
@@ -27,10 +28,12 @@ STEPS = {"count": 0}
 
 class AllocatorMachine(RuleBasedStateMachine):
     thread = False
+    device = "cpu"
 
     def __init__(self) -> None:
         super().__init__()
-        self.space = KVSpace(GEOMETRY, reserve=(1, 2), reserve_thread=self.thread, null_block=False)
+        self.space = KVSpace(GEOMETRY, reserve=(1, 2), reserve_thread=self.thread, null_block=False,
+                             device=self.device)
         self.held: set[int] = set()
         self.fault_armed = False
 
@@ -131,9 +134,45 @@ class ThreadedAllocatorMachine(AllocatorMachine):
     thread = True
 
 
-@pytest.mark.parametrize("machine", [AllocatorMachine, ThreadedAllocatorMachine], ids=["inline", "thread"])
+class CudaAllocatorMachine(AllocatorMachine):
+    """The same machine on the CUDA backend over the fake driver, with driver faults."""
+
+    device = "cuda:0"
+
+    @rule(call=st.sampled_from([b"cuMemCreate", b"cuMemMap", b"cuMemSetAccess"]), nth=st.integers(1, 3),
+          code=st.sampled_from([1, 2]))
+    def arm_driver_fault(self, call: bytes, nth: int, code: int) -> None:
+        STEPS["count"] += 1
+        FAKE[0].fake_cuda_fail(call, nth, code)
+        self.fault_armed = True
+
+    @invariant()
+    def the_driver_holds_exactly_the_committed_pages(self) -> None:
+        st_ = self.space.stats()
+        assert FAKE[0].fake_cuda_allocated() - FAKE_GRANULARITY == st_.committed_bytes
+
+    @invariant()
+    def available_is_exactly_deliverable(self) -> None:
+        FAKE[0].fake_cuda_fail(b"none", 0, 0)  # the probe must not meet a driver fault
+        super().available_is_exactly_deliverable()
+
+
+FAKE: list[Any] = [None]
+
+
+@pytest.mark.parametrize("machine", [AllocatorMachine, ThreadedAllocatorMachine, CudaAllocatorMachine],
+                         ids=["inline", "thread", "cuda-fake"])
 @pytest.mark.timeout(900)
-def test_ten_thousand_random_operations_keep_every_invariant(machine: type[AllocatorMachine]) -> None:
+def test_ten_thousand_random_operations_keep_every_invariant(
+    machine: type[AllocatorMachine], fake_cuda_driver: str | None
+) -> None:
+    if machine is CudaAllocatorMachine:
+        if fake_cuda_driver is None:
+            pytest.skip("no C compiler to build the fake driver")
+        import ctypes
+
+        FAKE[0] = ctypes.CDLL(fake_cuda_driver)
+        FAKE[0].fake_cuda_allocated.restype = ctypes.c_size_t
     STEPS["count"] = 0
     cfg = settings(
         max_examples=60,
