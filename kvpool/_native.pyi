@@ -22,6 +22,9 @@ def cpu_granularity() -> int:
 def cuda_unavailable_reason() -> str:
     """Why the CUDA backend cannot be used here (empty when it can)."""
 
+def cuda_mem_info(device: int) -> tuple[int, int, int, str]:
+    """(code, free bytes, total bytes, message) of a CUDA device."""
+
 def page_ranges(page_bytes: int, block_bytes: int, num_blocks: int) -> tuple[object, object]:
     """Per-page block ranges [first, last) of a geometry (the one formula)."""
 

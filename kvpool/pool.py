@@ -8,9 +8,9 @@ claim and wakes waiters in every process (a futex on the ledger's
 generation word). A tenant whose process died is reaped by the next one to
 take the ledger's lock, and its budget returned.
 
-Default capacity on the CPU backend: half of ``MemAvailable`` when the pool
-is created (``KVPOOL_POOL_FRACTION`` overrides the fraction, ``capacity=``
-the bytes).
+Default capacity: half of what the device has free when the pool is created
+(``MemAvailable`` on the CPU, ``cuMemGetInfo`` on a CUDA device;
+``KVPOOL_POOL_FRACTION`` overrides the fraction, ``capacity=`` the bytes).
 """
 
 from __future__ import annotations
@@ -53,10 +53,18 @@ def _mem_available() -> int:
     raise LedgerError("cannot read MemAvailable from /proc/meminfo")
 
 
-def default_capacity() -> int:
+def default_capacity(device: str = "cpu") -> int:
+    """A fraction of what the device has free now: MemAvailable on the CPU,
+    cuMemGetInfo's free bytes on a CUDA device."""
     frac = float(os.environ.get("KVPOOL_POOL_FRACTION", DEFAULT_FRACTION))
     if not 0 < frac <= 1:
         raise LedgerError(f"KVPOOL_POOL_FRACTION must be in (0, 1], got {frac}")
+    if device.startswith("cuda"):
+        ordinal = int(device.partition(":")[2] or 0)
+        code, free, _total, msg = _core.native.cuda_mem_info(ordinal)
+        if code != _core.CODE_OK:
+            raise LedgerError(f"cannot size a pool on {device}: {msg}")
+        return int(free * frac)
     return int(_mem_available() * frac)
 
 
@@ -84,11 +92,12 @@ class Pool:
     only joins and raises :class:`LedgerError` if the pool is missing.
     """
 
-    def __init__(self, name: str = "default", *, capacity: int | None = None, create: bool = True) -> None:
+    def __init__(self, name: str = "default", *, capacity: int | None = None, create: bool = True,
+                 device: str = "cpu") -> None:
         check_pool_name(name)
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0):
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
-        cap = capacity if capacity is not None else (default_capacity() if create else 0)
+        cap = capacity if capacity is not None else (default_capacity(device) if create else 0)
         code, msg, ledger = _core.native.open_ledger(name, cap, create)
         if ledger is None:
             raise LedgerError(msg)

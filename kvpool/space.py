@@ -143,7 +143,7 @@ class KVSpace:
         self.device = device
         self.null_block = null_block
         limit_pages = self._limit_pages(limit_bytes)
-        self.pool = Pool(pool) if isinstance(pool, str) else pool
+        self.pool = Pool(pool, device=device) if isinstance(pool, str) else pool
         self.name = name if name is not None else f"{os.getpid()}-{next(_tenant_ids)}"
         code, msg, space = _core.native.create_space(
             geometry.num_regions, geometry.page_bytes, geometry.region_block_bytes, geometry.blocks,

@@ -42,5 +42,7 @@ std::unique_ptr<Backend> make_cpu_backend(const BackendConfig& cfg, Status* stat
 std::unique_ptr<Backend> make_cuda_backend(const BackendConfig& cfg, int device, Status* status);
 // Why CUDA cannot be used here ("" when it can); loads the driver on first call.
 std::string cuda_unavailable_reason();
+// Free and total bytes of a CUDA device (cuMemGetInfo).
+Status cuda_mem_info(int device, int64_t* free_bytes, int64_t* total_bytes);
 
 }  // namespace kvpool

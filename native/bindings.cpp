@@ -84,6 +84,18 @@ NB_MODULE(_native, m) {
     m.def("cpu_granularity", &kvpool::cpu_granularity, "Smallest page size step of the CPU backend.");
     m.def("cuda_unavailable_reason", &kvpool::cuda_unavailable_reason, nb::call_guard<nb::gil_scoped_release>(),
           "Why the CUDA backend cannot be used here (empty when it can).");
+    m.def(
+        "cuda_mem_info",
+        [](int device) {
+            int64_t f = 0, t = 0;
+            Status st;
+            {
+                nb::gil_scoped_release nogil;
+                st = kvpool::cuda_mem_info(device, &f, &t);
+            }
+            return std::make_tuple(static_cast<int>(st.code), f, t, st.message);
+        },
+        "device"_a, "(code, free bytes, total bytes, message) of a CUDA device.");
 
     m.def(
         "page_ranges",

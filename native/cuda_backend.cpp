@@ -254,6 +254,23 @@ private:
 
 std::string cuda_unavailable_reason() { return driver().error; }
 
+Status cuda_mem_info(int device, int64_t* free_bytes, int64_t* total_bytes) {
+    Driver& d = driver();
+    if (!d.error.empty()) return Status::make(Code::Backend, d.error);
+    CUdevice dev;
+    CUcontext ctx;
+    CUresult r;
+    if ((r = d.cuDeviceGet(&dev, device)) != CUDA_SUCCESS) return Status::make(Code::Backend, d.text("cuDeviceGet", r));
+    if ((r = d.cuDevicePrimaryCtxRetain(&ctx, dev)) != CUDA_SUCCESS ||
+        (r = d.cuCtxSetCurrent(ctx)) != CUDA_SUCCESS)
+        return Status::make(Code::Backend, d.text("cuDevicePrimaryCtxRetain", r));
+    size_t f = 0, t = 0;
+    if ((r = d.cuMemGetInfo(&f, &t)) != CUDA_SUCCESS) return Status::make(Code::Backend, d.text("cuMemGetInfo", r));
+    *free_bytes = static_cast<int64_t>(f);
+    *total_bytes = static_cast<int64_t>(t);
+    return Status::ok();
+}
+
 std::unique_ptr<Backend> make_cuda_backend(const BackendConfig& cfg, int device, Status* status) {
     auto b = std::make_unique<CudaBackend>(cfg, device);
     *status = b->open();
@@ -267,6 +284,7 @@ std::unique_ptr<Backend> make_cuda_backend(const BackendConfig& cfg, int device,
 
 namespace kvpool {
 std::string cuda_unavailable_reason() { return "kvpool was built without CUDA headers"; }
+Status cuda_mem_info(int, int64_t*, int64_t*) { return Status::make(Code::Backend, cuda_unavailable_reason()); }
 std::unique_ptr<Backend> make_cuda_backend(const BackendConfig&, int, Status* status) {
     *status = Status::make(Code::Backend, cuda_unavailable_reason());
     return nullptr;

@@ -154,3 +154,14 @@ def test_unknown_device_strings_are_rejected() -> None:
     for bad in ("gpu", "cuda:x", "cuda1"):
         with pytest.raises(ValueError, match="device must be"):
             KVSpace(G, device=bad)
+
+
+def test_a_pool_created_for_a_cuda_space_defaults_to_the_device_free_memory(fake: ctypes.CDLL) -> None:
+    name = f"test-cuda-cap-{os.getpid()}"
+    os.environ["FAKE_CUDA_TOTAL"] = str(512 * 1024 * 1024)
+    try:
+        with KVSpace(G, device="cuda:0", pool=name, name="gpu", reserve_thread=False) as s:
+            assert s.pool is not None and s.pool.capacity == 256 * 1024 * 1024  # half of the free bytes
+    finally:
+        os.environ.pop("FAKE_CUDA_TOTAL")
+        Pool.remove(name)
