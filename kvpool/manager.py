@@ -181,6 +181,7 @@ class KVCacheManager:
         self._watcher: Waiter | None = None
         self._watch_scope: anyio.CancelScope | None = None
         self._watcher_gone: anyio.Event | None = None
+        self._reported_waiting = 0
         self._limit_bytes = limit_bytes
         self._limit_revision = 0
         self._limit_state = LimitState.APPLIED
@@ -344,9 +345,12 @@ class KVCacheManager:
         self._report_waiting()
 
     def _report_waiting(self) -> None:
-        # What `kvpool top` shows in the waiting column (an atomic store).
-        if self.space.pool is not None and not self._closed:
-            self.space._space.report_waiting(len(self._queue))
+        # What `kvpool top` shows in the waiting column. Only on a change: every
+        # free dispatches, and the free path must stay one native call.
+        n = len(self._queue)
+        if n != self._reported_waiting and self.space.pool is not None and not self._closed:
+            self.space._space.report_waiting(n)
+            self._reported_waiting = n
 
     def _ensure_watcher(self) -> None:
         # The watcher role is handed to the head when the watcher leaves; if

@@ -181,11 +181,6 @@ Status Ledger::lock() {
 
 void Ledger::unlock() { pthread_mutex_unlock(&hdr_->mutex); }
 
-void Ledger::bump_locked() {
-    hdr_->generation.fetch_add(1, std::memory_order_acq_rel);
-    futex(&hdr_->generation, FUTEX_WAKE, INT32_MAX, nullptr);
-}
-
 void Ledger::bump_generation() {
     hdr_->generation.fetch_add(1, std::memory_order_acq_rel);
     futex(&hdr_->generation, FUTEX_WAKE, INT32_MAX, nullptr);
@@ -210,7 +205,7 @@ int Ledger::reap_locked(bool check_start_time) {
         t.pid.store(0, std::memory_order_release);
         ++reaped;
     }
-    if (reaped) bump_locked();
+    if (reaped) bump_generation();
     return reaped;
 }
 
@@ -261,7 +256,7 @@ void Ledger::unregister_tenant(int slot) {
         hdr_->committed_total.fetch_sub(t.committed.load());
         t.committed.store(0);
         t.pid.store(0, std::memory_order_release);
-        bump_locked();
+        bump_generation();
     }
     unlock();
 }
@@ -275,15 +270,15 @@ Status Ledger::claim(int slot, int64_t bytes) {
         return hdr_->committed_total.load() + bytes <= hdr_->capacity &&
                (lim < 0 || t.committed.load() + bytes <= lim);
     };
-    if (!fits() && reap_locked(true) == 0) {
+    if (!fits() && (reap_locked(true) == 0 || !fits())) {  // a dead tenant may have held the room
         const int64_t room_pool = hdr_->capacity - hdr_->committed_total.load();
+        const int64_t lim = t.limit.load();
+        std::string why = "pool '" + name_ + "' has " + std::to_string(room_pool) + " bytes free for a claim of " +
+                          std::to_string(bytes);
+        if (lim >= 0)
+            why += " (tenant limit " + std::to_string(lim) + ", committed " + std::to_string(t.committed.load()) + ")";
         unlock();
-        return Status::make(Code::Shortage, "pool '" + name_ + "' has " + std::to_string(room_pool) +
-                                                " bytes free for a claim of " + std::to_string(bytes));
-    }
-    if (!fits()) {
-        unlock();
-        return Status::make(Code::Shortage, "pool '" + name_ + "' is full");
+        return Status::make(Code::Shortage, why);
     }
     t.committed.fetch_add(bytes);
     hdr_->committed_total.fetch_add(bytes);
@@ -296,7 +291,7 @@ void Ledger::release(int slot, int64_t bytes) {
     TenantSlot& t = hdr_->tenants[slot];
     t.committed.fetch_sub(bytes);
     hdr_->committed_total.fetch_sub(bytes);
-    bump_locked();  // wake waiters in every process: budget came back
+    bump_generation();  // wake waiters in every process: budget came back
     unlock();
 }
 
@@ -321,7 +316,7 @@ LimitResult Ledger::set_limit(int slot, int64_t bytes, int64_t revision) {
         // Judge at once (the tenant re-reports as it gives pages back), so a
         // reader never sees a new limit next to the old verdict.
         t.limit_state.store(bytes >= 0 && t.committed.load() > bytes ? 1 : 0);
-        bump_locked();
+        bump_generation();
         r = LimitResult::Applied;
     }
     unlock();

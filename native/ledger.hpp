@@ -110,7 +110,6 @@ private:
     Status lock();
     void unlock();
     int reap_locked(bool check_start_time);
-    void bump_locked();
 
     std::string name_;
     LedgerHeader* hdr_ = nullptr;

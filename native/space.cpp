@@ -33,7 +33,13 @@ std::unique_ptr<Space> Space::create(const SpaceConfig& cfg, std::unique_ptr<Bac
                                      std::shared_ptr<Ledger> ledger, int slot, Status* status) {
     if (cfg.page_bytes <= 0 || cfg.block_bytes <= 0 || cfg.num_blocks <= 0 || cfg.num_regions <= 0 ||
         cfg.block_bytes > cfg.page_bytes || cfg.reserve_min < 0 || cfg.reserve_max < cfg.reserve_min) {
-        *status = Status::make(Code::Invalid, "invalid space configuration");
+        *status = Status::make(Code::Invalid,
+                               "invalid space configuration: page_bytes=" + std::to_string(cfg.page_bytes) +
+                                   " block_bytes=" + std::to_string(cfg.block_bytes) + " num_blocks=" +
+                                   std::to_string(cfg.num_blocks) + " num_regions=" + std::to_string(cfg.num_regions) +
+                                   " reserve=(" + std::to_string(cfg.reserve_min) + ", " +
+                                   std::to_string(cfg.reserve_max) + "); need all sizes > 0, "
+                                   "block_bytes <= page_bytes and 0 <= min <= max");
         return nullptr;
     }
     std::unique_ptr<Space> s(new Space(cfg, std::move(backend), std::move(ledger), slot));

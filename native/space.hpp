@@ -138,7 +138,6 @@ private:
     void to_reserve_locked(int32_t p);
     bool thread_has_work_locked() const;
     int64_t release_inline_locked();
-    Status commit_page_locked(int32_t p, bool* injected_err_used);
     Status do_commit(int32_t p, int injected_err);
     Status do_release(int32_t p, int injected_err);
     int consume_fault_locked(FaultKind kind);

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 
 import anyio
 import pytest
@@ -15,6 +16,14 @@ from kvpool.adapters.blocking import BlockingKVCacheManager
 from .conftest import KiB
 
 G = Geometry(1, 2, 4 * KiB, 128, page_bytes=16 * KiB)
+
+
+def wait_until(cond: Callable[[], bool]) -> None:
+    """Poll for a state another thread reaches (threads park at their own pace)."""
+    deadline = time.monotonic() + 10
+    while not cond():
+        assert time.monotonic() < deadline, "condition never reached"
+        time.sleep(0.005)
 
 
 def test_blocking_calls_mirror_the_manager() -> None:
@@ -35,8 +44,8 @@ def test_a_thread_waits_until_another_thread_frees() -> None:
         got: list[int] = []
         t = threading.Thread(target=lambda: got.extend(m.alloc(8).tolist()))
         t.start()
-        time.sleep(0.1)
-        assert got == [] and m.stats().waiting == 1
+        wait_until(lambda: m.stats().waiting == 1)
+        assert got == []
         m.free(held[:8])
         t.join(5)
         assert sorted(got) == sorted(held[:8].tolist())
@@ -56,7 +65,7 @@ def test_close_fails_blocked_threads_with_pool_closed() -> None:
     threads = [threading.Thread(target=want) for _ in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.1)
+    wait_until(lambda: m.stats().waiting == 3)
     m.close()
     for t in threads:
         t.join(5)
