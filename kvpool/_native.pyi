@@ -119,6 +119,11 @@ class Ledger:
 
     def reap(self) -> int: ...
 
+    def inject_crash_mid_release(self) -> None:
+        """
+        Test hook: the next release kills this process inside the ledger's critical section.
+        """
+
 def open_ledger(name: str, capacity: int, create: bool) -> tuple[int, str, object]:
     """Open (or create) a pool ledger: (code, message, Ledger | None)."""
 

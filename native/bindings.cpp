@@ -286,7 +286,9 @@ NB_MODULE(_native, m) {
             },
             "tenant"_a, "limit_bytes"_a, "revision"_a,
             "(code, result: 0 applied 1 stale 2 conflict 3 same, message); revision < 0 = next.")
-        .def("reap", [](Ledger& l) { return l.reap(true); }, nb::call_guard<nb::gil_scoped_release>());
+        .def("reap", [](Ledger& l) { return l.reap(true); }, nb::call_guard<nb::gil_scoped_release>())
+        .def("inject_crash_mid_release", &Ledger::inject_crash_mid_release,
+             "Test hook: the next release kills this process inside the ledger's critical section.");
 
     m.def(
         "open_ledger",

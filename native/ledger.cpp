@@ -169,10 +169,12 @@ Ledger::~Ledger() {
 Status Ledger::lock() {
     const int r = pthread_mutex_lock(&hdr_->mutex);
     if (r == EOWNERDEAD) {
-        // The previous holder died inside the critical section. Our updates
-        // are single stores, so the slots are consistent; reap it now.
+        // The previous holder died inside the critical section, possibly
+        // between the slot's store and the total's: reap it, then recount
+        // the total from the live slots (each slot store is single).
         pthread_mutex_consistent(&hdr_->mutex);
         reap_locked(true);
+        recount_locked();
         return Status::ok();
     }
     if (r != 0) return Status::make(Code::Backend, errno_text("pthread_mutex_lock(ledger)", r));
@@ -180,6 +182,13 @@ Status Ledger::lock() {
 }
 
 void Ledger::unlock() { pthread_mutex_unlock(&hdr_->mutex); }
+
+void Ledger::recount_locked() {
+    int64_t total = 0;
+    for (const auto& t : hdr_->tenants)
+        if (t.pid.load(std::memory_order_acquire) != 0) total += t.committed.load();
+    hdr_->committed_total.store(total);
+}
 
 void Ledger::bump_generation() {
     hdr_->generation.fetch_add(1, std::memory_order_acq_rel);
@@ -290,6 +299,7 @@ void Ledger::release(int slot, int64_t bytes) {
     if (bytes <= 0 || !lock().is_ok()) return;
     TenantSlot& t = hdr_->tenants[slot];
     t.committed.fetch_sub(bytes);
+    if (crash_mid_release_) raise(SIGKILL);  // test hook: die between the two stores
     hdr_->committed_total.fetch_sub(bytes);
     bump_generation();  // wake waiters in every process: budget came back
     unlock();

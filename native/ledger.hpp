@@ -104,15 +104,20 @@ public:
     // Futex wait until the generation differs from `seen` (or timeout).
     void wait_generation(uint32_t seen, double timeout_s);
     void bump_generation();  // and wake every waiter, in every process
+    // Test hook: the next release kills this process between the slot's and
+    // the total's update (a crash inside the critical section).
+    void inject_crash_mid_release() { crash_mid_release_ = true; }
 
 private:
     Ledger() = default;
     Status lock();
     void unlock();
     int reap_locked(bool check_start_time);
+    void recount_locked();  // committed_total := sum of the live slots
 
     std::string name_;
     LedgerHeader* hdr_ = nullptr;
+    bool crash_mid_release_ = false;
 };
 
 // Process start time (clock ticks since boot) from /proc, 0 if unknown.
