@@ -21,8 +21,10 @@ from .pool import TenantInfo as TenantInfo
 from .pool import list_pools as list_pools
 from .space import KVSpace as KVSpace
 from .space import PageInfo as PageInfo
+from .space import SharedMemory as SharedMemory
 from .space import SpaceStats as SpaceStats
 from .space import cuda_unavailable_reason as cuda_unavailable_reason
+from .space import map_shared as map_shared
 from .tracing import bind_request as bind_request
 
 __version__ = "0.1.0"
@@ -47,7 +49,9 @@ __all__ = [
     "Pool",
     "PoolClosed",
     "PoolExhausted",
+    "SharedMemory",
     "SpaceStats",
     "TenantInfo",
     "list_pools",
+    "map_shared",
 ]

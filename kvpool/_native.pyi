@@ -65,6 +65,13 @@ class Space:
     def region(self, region: int) -> Annotated[NDArray[numpy.uint8], dict(shape=(None,))]:
         """Region memory as a DLPack-capable byte array."""
 
+    def memory(self) -> Annotated[NDArray[numpy.uint8], dict(shape=(None,))]:
+        """All regions, back to back, as one DLPack-capable byte array."""
+
+    @property
+    def share_fd(self) -> int:
+        """The memfd another process can map (-1: none)."""
+
     def report_waiting(self, waiting: int) -> None: ...
 
     def limit_pages(self) -> int: ...

@@ -349,7 +349,7 @@ class KVCacheManager:
         # free dispatches, and the free path must stay one native call.
         n = len(self._queue)
         if n != self._reported_waiting and self.space.pool is not None and not self._closed:
-            self.space._space.report_waiting(n)
+            self.space.report_waiting(n)
             self._reported_waiting = n
 
     def _ensure_watcher(self) -> None:

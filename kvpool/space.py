@@ -19,11 +19,11 @@ import torch
 import torch.utils.dlpack
 
 from . import _core
-from .errors import GeometryError, InvalidBlocks, PoolClosed
+from .errors import BackendError, GeometryError, InvalidBlocks, PoolClosed
 from .geometry import Geometry
 from .pool import Pool
 
-__all__ = ["KVSpace", "PageInfo", "SpaceStats", "cuda_unavailable_reason"]
+__all__ = ["KVSpace", "PageInfo", "SharedMemory", "SpaceStats", "cuda_unavailable_reason", "map_shared"]
 
 BlockIds = npt.NDArray[np.int64]
 PageStateName = Literal["free", "committing", "reserve", "active", "releasing"]
@@ -67,6 +67,47 @@ class PageInfo:
     state: PageStateName
     used: int
     capacity: int
+
+
+@dataclass(frozen=True)
+class SharedMemory:
+    """What another process needs to map a CPU space's memory (:func:`map_shared`).
+
+    The owner keeps the allocator (alloc, free, commits); the other process
+    only maps the same memory file, so pages the owner commits are visible
+    there with no message per page. It must never write outside blocks the
+    owner handed out: a write into a released page would allocate memory
+    behind the ledger's back.
+    """
+
+    pid: int
+    fd: int
+    size: int
+
+
+def map_shared(shared: SharedMemory) -> torch.Tensor:
+    """Map ``shared`` (from :meth:`KVSpace.shared_memory` in another process).
+
+    Returns a flat ``uint8`` tensor over all regions, laid out as
+    :meth:`KVSpace.memory`. The mapping lives as long as the tensor.
+    """
+    import mmap
+
+    path = f"/proc/{shared.pid}/fd/{shared.fd}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        raise BackendError(f"cannot open the shared KV memory {path}: {e} (is the owner process alive?)") from e
+    try:
+        size = os.fstat(fd).st_size
+        if size != shared.size:
+            raise BackendError(f"{path} is {size} bytes, expected {shared.size}: not the space's memory file")
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:
+        raise BackendError(f"cannot map the shared KV memory {path}: {e}") from e
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
 def cuda_unavailable_reason() -> str:
@@ -245,6 +286,17 @@ class KVSpace:
         """Bytes the backend really holds (CPU: the memfd's ``st_blocks``)."""
         return int(self._space.allocated_bytes())
 
+    def report_waiting(self, waiting: int) -> None:
+        """Tell the pool how many requests of this tenant wait for memory.
+
+        ``kvpool top`` shows it, and other tenants read it as a sign that the
+        pool wants memory back (the vLLM plugin then gives cached pages up).
+        """
+        self._check_open()
+        if waiting < 0:
+            raise ValueError(f"waiting must be >= 0, got {waiting}")
+        self._space.report_waiting(int(waiting))
+
     def settle(self, timeout: float = 5.0) -> bool:
         """Wait until the reserve thread has nothing left to do."""
         return bool(self._space.settle(timeout))
@@ -273,6 +325,24 @@ class KVSpace:
         if not 0 <= index < len(self._regions):
             raise IndexError(f"region {index} out of range [0, {len(self._regions)})")
         return self._regions[index]
+
+    def memory(self) -> torch.Tensor:
+        """All regions, back to back, as one flat ``uint8`` tensor (zero-copy).
+
+        Region ``r`` starts at ``r * geometry.region_bytes``; engines that view
+        one flat KV buffer with their own strides (vLLM) use this.
+        """
+        self._check_open()
+        return torch.utils.dlpack.from_dlpack(self._space.memory())
+
+    def shared_memory(self) -> SharedMemory:
+        """A handle another process passes to :func:`map_shared` (CPU spaces)."""
+        self._check_open()
+        fd = int(self._space.share_fd)
+        if fd < 0:
+            raise BackendError(f"a {self.device} space cannot be mapped by another process (only CPU spaces can)")
+        g = self.geometry
+        return SharedMemory(pid=os.getpid(), fd=fd, size=g.num_regions * g.region_bytes)
 
     def view(self, layer: int, buffer: int, dtype: torch.dtype, block_shape: Sequence[int]) -> torch.Tensor:
         """Layer ``layer``, KV buffer ``buffer`` as ``(num_blocks, *block_shape)`` of ``dtype``.

@@ -30,6 +30,9 @@ public:
     virtual void close() = 0;
     virtual int device_type() const = 0;  // DLPack device type
     virtual int device_id() const { return 0; }
+    // A file descriptor another process may map to see the same memory
+    // (the CPU memfd), or -1 when the backend has none.
+    virtual int share_fd() const { return -1; }
 };
 
 // Smallest commit granularity the CPU backend accepts (the base page size).

@@ -227,6 +227,18 @@ NB_MODULE(_native, m) {
                                                          nb::dtype<uint8_t>(), s.device_type(), s.device_id());
             },
             "region"_a, nb::rv_policy::reference_internal, "Region memory as a DLPack-capable byte array.")
+        .def(
+            "memory",
+            [](Space& s) {
+                // Regions are laid out back to back (both backends): one array
+                // over all of them, for engines that address one flat buffer.
+                const auto& cfg = s.config();
+                const size_t n = static_cast<size_t>(cfg.num_regions * s.num_pages() * cfg.page_bytes);
+                return nb::ndarray<uint8_t, nb::ndim<1>>(s.region_base(0), {n}, nb::handle(), {},
+                                                         nb::dtype<uint8_t>(), s.device_type(), s.device_id());
+            },
+            nb::rv_policy::reference_internal, "All regions, back to back, as one DLPack-capable byte array.")
+        .def_prop_ro("share_fd", &Space::share_fd, "The memfd another process can map (-1: none).")
         .def("report_waiting", &Space::report_waiting, "waiting"_a, nb::call_guard<nb::gil_scoped_release>())
         .def("limit_pages", &Space::limit_pages, nb::call_guard<nb::gil_scoped_release>())
         .def(

@@ -106,6 +106,7 @@ public:
         return static_cast<int64_t>(st.st_blocks) * 512;
     }
 
+    int share_fd() const override { return fd_; }
     void* region_base(int64_t region) const override {
         return static_cast<char*>(base_) + region * cfg_.region_bytes;
     }

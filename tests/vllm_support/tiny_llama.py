@@ -1,0 +1,58 @@
+"""Build a tiny random-weight Llama and a locally trained tokenizer (no hub).
+
+Run with the vLLM venv's Python: ``python tiny_llama.py OUT_DIR``. The model is
+what vLLM's CPU attention accepts (head_dim 32, bf16); the weights come from a
+fixed seed, so every run builds the same model and greedy outputs are
+reproducible across processes.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a paged kv cache commits memory only while blocks are in use",
+    "engines share one machine and memory follows the load",
+    "prefix caching keeps full blocks that another request may reuse",
+    "the scheduler preempts a request when the pool is short of blocks",
+    "zero copy tensors view memory that the allocator committed",
+] * 50
+
+
+def build(out: pathlib.Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    from tokenizers import decoders
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out)
+
+    torch.manual_seed(1234)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                      bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    # Wide logit margins: with the default init (std 0.02) the top two logits
+    # of a random model sit within bf16 rounding of each other, so greedy
+    # tokens would depend on batch composition (kernel reduction order), not
+    # on the KV cache. The tests compare runs whose batches differ.
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 1.0)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(out)
+    (out / "kvpool-tiny.json").write_text(json.dumps({"built": True}))
+
+
+if __name__ == "__main__":
+    build(pathlib.Path(sys.argv[1]))
