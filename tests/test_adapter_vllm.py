@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -110,6 +111,29 @@ def pool_name() -> Any:
 def committed(res: dict[str, Any]) -> list[int]:
     return [mine for _, _, mine in res["samples"]]
 
+
+# ------------------------------------------------ the BlockPool contract, unit level
+
+CHECK_NAMES = re.findall(r"^@check\ndef (\w+)", (HERE / "block_pool_checks.py").read_text(), re.M)
+assert len(CHECK_NAMES) >= 10, CHECK_NAMES  # the pattern still matches the checks file
+
+
+@pytest.fixture(scope="session")
+def block_pool_checks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("block-pool")
+    res = subprocess.run([VLLM_PYTHON, str(HERE / "block_pool_checks.py"), f"test-bp-{uuid.uuid4().hex[:6]}"],
+                         cwd=tmp, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    results: dict[str, str] = json.loads(res.stdout.strip().splitlines()[-1])
+    return results
+
+
+@pytest.mark.parametrize("name", CHECK_NAMES)
+def test_block_pool_contract(block_pool_checks: dict[str, str], name: str) -> None:
+    assert block_pool_checks[name] == "ok", block_pool_checks[name]
+
+
+# ------------------------------------------------------------ real engines
 
 def test_in_process_engine_generates_the_same_tokens_with_kvpool(
         tiny_model: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path) -> None:

@@ -1,0 +1,246 @@
+"""KVPoolBlockPool against vLLM's BlockPool contract, in the vLLM venv.
+
+Run with the vLLM venv's Python: ``python block_pool_checks.py POOL_PREFIX``.
+Each check builds its own space in its own pool and raises on a broken
+contract; the script prints one JSON object {check name: "ok" | traceback}
+(tests/test_adapter_vllm.py asserts every entry is "ok"). Commit unit:
+16 KiB pages x 1 region = 4 blocks of 4 KiB.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+from kvpool import Geometry, KVSpace, Pool
+from kvpool.adapters.vllm import block_pool as bp
+from kvpool.adapters.vllm.block_pool import KVPoolBlockPool
+
+PAGE, BLOCK, N = 16384, 4096, 64
+PER_PAGE = PAGE // BLOCK
+CHECKS: dict[str, Callable[[str], None]] = {}
+
+
+def check(fn: Callable[[str], None]) -> Callable[[str], None]:
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+@contextmanager
+def block_pool(pool_name: str, *, pages: int, caching: bool, tenant: str = "eng") -> Iterator[KVPoolBlockPool]:
+    pool = Pool(pool_name, capacity=pages * PAGE)
+    space = KVSpace(Geometry(1, 1, BLOCK, N, page_bytes=PAGE), null_block=True, pool=pool, name=tenant,
+                    reserve_thread=False, reserve=(0, 0))
+    try:
+        yield KVPoolBlockPool(N, caching, 16, space=space)
+    finally:
+        space.close()
+
+
+def cache(p: KVPoolBlockPool, block: object, tag: bytes) -> None:
+    """Give ``block`` a prefix-cache hash, as cache_full_blocks does."""
+    key = make_block_hash_with_group_id(BlockHash(tag), 0)
+    p._insert_block_hash(key, block, num_tokens=16)
+
+
+def cached(p: KVPoolBlockPool, tag: bytes) -> object | None:
+    got = p.get_cached_block(BlockHash(tag), [0])
+    return got[0] if got else None
+
+
+@check
+def null_block_is_block_zero_and_never_handed_out(name: str) -> None:
+    with block_pool(name, pages=N // PER_PAGE, caching=False) as p:
+        assert p.null_block.block_id == 0 and p.null_block.is_null
+        free = p.get_num_free_blocks()
+        assert free == N - 1, free  # vLLM's count and the space agree
+        blocks = p.get_new_blocks(free)
+        assert 0 not in {b.block_id for b in blocks}
+        assert all(b.ref_cnt == 1 for b in blocks)
+        assert p.get_num_free_blocks() == 0 and p.get_usage() == 1.0
+        p.free_blocks(blocks)
+        assert p.get_num_free_blocks() == N - 1 and p.get_usage() == 0.0
+
+
+@check
+def free_blocks_without_cache_returns_memory(name: str) -> None:
+    with block_pool(name, pages=N // PER_PAGE, caching=False) as p:
+        blocks = p.get_new_blocks(4 * PER_PAGE)
+        held = p.space.stats().committed_bytes
+        assert held >= 4 * PAGE
+        p.free_blocks(blocks)
+        assert p.space.stats().used_blocks == 0  # (the null block is not counted)
+        assert p.space.stats().committed_bytes < held
+
+
+@check
+def free_count_follows_the_pool_not_the_virtual_capacity(name: str) -> None:
+    with block_pool(name, pages=3, caching=False) as p:
+        # 64 virtual blocks, 3 pages of memory: 3 blocks of page 0 + 2 pages.
+        assert p.free_block_queue.num_free_blocks == N - 1
+        assert p.get_num_free_blocks() == 3 + 2 * PER_PAGE
+        blocks = p.get_new_blocks(p.get_num_free_blocks())
+        assert p.get_num_free_blocks() == 0
+        try:
+            p.get_new_blocks(1)
+        except ValueError:
+            pass  # vLLM's own contract for asking beyond get_num_free_blocks
+        else:
+            raise AssertionError("get_new_blocks beyond the free count must raise ValueError")
+        p.free_blocks(blocks[:2])
+        assert p.get_num_free_blocks() == 2
+
+
+@check
+def cached_blocks_stay_held_and_hit(name: str) -> None:
+    with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
+        (a, b) = p.get_new_blocks(2)
+        cache(p, a, b"A")
+        used = p.space.stats().used_blocks
+        free = p.get_num_free_blocks()
+        p.free_blocks([a, b])
+        assert p.num_evictable_blocks == 1
+        assert p.space.stats().used_blocks == used - 1  # b went back, a is still held
+        assert p.get_num_free_blocks() == free + 2  # both count as free for vLLM
+        hit = cached(p, b"A")
+        assert hit is a
+        p.touch([a])
+        assert a.ref_cnt == 1 and p.num_evictable_blocks == 0
+        p.free_blocks([a])
+        assert p.num_evictable_blocks == 1
+
+
+@check
+def a_shortage_evicts_the_least_recently_freed_cached_blocks(name: str) -> None:
+    with block_pool(name, pages=2, caching=True) as p:
+        # 3 + 4 blocks of memory; fill it, cache all, free oldest first.
+        blocks = p.get_new_blocks(p.get_num_free_blocks())
+        for i, blk in enumerate(blocks):
+            cache(p, blk, b"k%d" % i)
+        for blk in blocks:
+            p.free_blocks([blk])
+        assert p.num_evictable_blocks == len(blocks) == 7
+        assert p.get_num_free_blocks() == 7  # all evictable
+        new = p.get_new_blocks(3)
+        assert len(new) == 3 and all(b.block_hash is None for b in new)
+        assert [cached(p, b"k%d" % i) is None for i in range(7)] == [True] * 3 + [False] * 4
+        assert p.num_evictable_blocks == 4
+
+
+@check
+def whole_cached_pages_are_reclaimed_oldest_first(name: str) -> None:
+    with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
+        blocks = p.get_new_blocks(3 + 2 * PER_PAGE)  # page 0 (with the null block), pages 1, 2
+        by_page: dict[int, list[object]] = {}
+        for blk in blocks:
+            by_page.setdefault(blk.block_id * BLOCK // PAGE, []).append(blk)
+        for page in sorted(by_page, reverse=True):  # page 2 freed first: the oldest
+            for blk in by_page[page]:
+                cache(p, blk, b"b%d" % blk.block_id)
+            p.free_blocks(by_page[page])
+        before = p.space.stats().committed_bytes
+        assert p.reclaim_pages(1) == 1
+        assert all(cached(p, b"b%d" % blk.block_id) is None for blk in by_page[2])
+        assert all(cached(p, b"b%d" % blk.block_id) is not None for blk in by_page[1] + by_page[0])
+        p.space.trim()
+        assert p.space.stats().committed_bytes == before - PAGE
+        # Page 0 holds the null block: never a whole cached page.
+        assert p.reclaim_pages(5) == 1
+        assert p.num_evictable_blocks == len(by_page[0])
+
+
+@check
+def another_tenant_waiting_makes_an_engine_give_cached_pages_back(name: str) -> None:
+    bp.PRESSURE_CHECK_S = 0.0
+    with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
+        blocks = p.get_new_blocks(3 + 2 * PER_PAGE)
+        for blk in blocks:
+            cache(p, blk, b"w%d" % blk.block_id)
+        p.free_blocks(blocks)
+        held = p.num_evictable_blocks
+        assert held == len(blocks)
+        p.get_num_free_blocks()
+        assert p.num_evictable_blocks == held  # nobody waits: the cache stays
+        with KVSpace(Geometry(1, 1, BLOCK, N, page_bytes=PAGE), pool=p.space.pool, name="other",
+                     reserve_thread=False, reserve=(0, 0)) as other:
+            other.report_waiting(1)
+            p.get_num_free_blocks()
+            assert p.num_evictable_blocks == held - 2 * PER_PAGE  # two whole pages given back
+
+
+@check
+def a_lowered_limit_reclaims_down_to_it(name: str) -> None:
+    bp.PRESSURE_CHECK_S = 0.0
+    with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
+        blocks = p.get_new_blocks(3 + 3 * PER_PAGE)
+        for blk in blocks:
+            cache(p, blk, b"l%d" % blk.block_id)
+        p.free_blocks(blocks)
+        assert p.space.stats().committed_bytes == 4 * PAGE
+        assert p.space.pool is not None
+        p.space.pool.set_limit("eng", 2 * PAGE)
+        p.get_num_free_blocks()
+        p.space.trim()
+        assert p.space.stats().committed_bytes <= 2 * PAGE
+
+
+@check
+def reset_prefix_cache_gives_cached_blocks_back(name: str) -> None:
+    with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
+        blocks = p.get_new_blocks(5)
+        for blk in blocks:
+            cache(p, blk, b"r%d" % blk.block_id)
+        p.free_blocks(blocks)
+        assert p.space.stats().used_blocks == 5  # cached: still held
+        assert p.reset_prefix_cache()
+        assert p.num_evictable_blocks == 0 and p.space.stats().used_blocks == 0
+
+
+@check
+def behaves_like_vllms_block_pool_on_a_random_workload(name: str) -> None:
+    import random
+
+    with block_pool(name, pages=N // PER_PAGE, caching=False) as p:
+        ref = BlockPool(N, False, 16)
+        rng = random.Random(7)
+        mine: list[list[object]] = []
+        theirs: list[list[object]] = []
+        for _ in range(2000):
+            assert p.get_num_free_blocks() == ref.get_num_free_blocks()
+            assert abs(p.get_usage() - ref.get_usage()) < 1e-12
+            n = rng.randint(1, 6)
+            if rng.random() < 0.55 and n <= ref.get_num_free_blocks():
+                mine.append(p.get_new_blocks(n))
+                theirs.append(ref.get_new_blocks(n))
+            elif mine:
+                i = rng.randrange(len(mine))
+                p.free_blocks(mine.pop(i))
+                ref.free_blocks(theirs.pop(i))
+        held = {b.block_id for group in mine for b in group}
+        assert len(held) == sum(len(g) for g in mine)  # no block handed out twice
+        assert p.space.stats().used_blocks == len(held)
+
+
+def main() -> None:
+    prefix = sys.argv[1]
+    results: dict[str, str] = {}
+    for i, (name, fn) in enumerate(CHECKS.items()):
+        bp.PRESSURE_CHECK_S = 0.05
+        try:
+            fn(f"{prefix}-{i}")
+            results[name] = "ok"
+        except BaseException:
+            results[name] = traceback.format_exc()
+        finally:
+            Pool.remove(f"{prefix}-{i}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
