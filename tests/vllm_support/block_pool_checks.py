@@ -49,6 +49,15 @@ def cache(p: KVPoolBlockPool, block: object, tag: bytes) -> None:
     p._insert_block_hash(key, block, num_tokens=16)
 
 
+def cache_and_free(p: KVPoolBlockPool, n: int) -> list[object]:
+    """Allocate ``n`` blocks, cache each under its id, free them: all evictable."""
+    blocks = p.get_new_blocks(n)
+    for blk in blocks:
+        cache(p, blk, b"c%d" % blk.block_id)
+    p.free_blocks(blocks)
+    return blocks
+
+
 def cached(p: KVPoolBlockPool, tag: bytes) -> object | None:
     got = p.get_cached_block(BlockHash(tag), [0])
     return got[0] if got else None
@@ -159,10 +168,7 @@ def whole_cached_pages_are_reclaimed_oldest_first(name: str) -> None:
 def another_tenant_waiting_makes_an_engine_give_cached_pages_back(name: str) -> None:
     bp.PRESSURE_CHECK_S = 0.0
     with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
-        blocks = p.get_new_blocks(3 + 2 * PER_PAGE)
-        for blk in blocks:
-            cache(p, blk, b"w%d" % blk.block_id)
-        p.free_blocks(blocks)
+        blocks = cache_and_free(p, 3 + 2 * PER_PAGE)
         held = p.num_evictable_blocks
         assert held == len(blocks)
         p.get_num_free_blocks()
@@ -178,10 +184,7 @@ def another_tenant_waiting_makes_an_engine_give_cached_pages_back(name: str) -> 
 def a_lowered_limit_reclaims_down_to_it(name: str) -> None:
     bp.PRESSURE_CHECK_S = 0.0
     with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
-        blocks = p.get_new_blocks(3 + 3 * PER_PAGE)
-        for blk in blocks:
-            cache(p, blk, b"l%d" % blk.block_id)
-        p.free_blocks(blocks)
+        cache_and_free(p, 3 + 3 * PER_PAGE)
         assert p.space.stats().committed_bytes == 4 * PAGE
         assert p.space.pool is not None
         p.space.pool.set_limit("eng", 2 * PAGE)
@@ -193,10 +196,7 @@ def a_lowered_limit_reclaims_down_to_it(name: str) -> None:
 @check
 def reset_prefix_cache_gives_cached_blocks_back(name: str) -> None:
     with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
-        blocks = p.get_new_blocks(5)
-        for blk in blocks:
-            cache(p, blk, b"r%d" % blk.block_id)
-        p.free_blocks(blocks)
+        cache_and_free(p, 5)
         assert p.space.stats().used_blocks == 5  # cached: still held
         assert p.reset_prefix_cache()
         assert p.num_evictable_blocks == 0 and p.space.stats().used_blocks == 0
