@@ -8,6 +8,11 @@
    the layer stride of the space's regions.
 3. ``kv_cache_coordinator.BlockPool`` (engine-core process): the scheduler's
    block pool becomes :class:`KVPoolBlockPool` over that space.
+4. ``EngineCoreProc`` (the engine-core process of a server): while it idles,
+   its input queue wakes every ``IDLE_POLL_S`` so the block pool can give
+   cached pages back to a pool that wants them, on the engine's own thread
+   (vLLM's structures are not thread-safe, and an idle engine otherwise runs
+   no scheduler call at all).
 
 Layouts (one KV backing tensor of L same-shaped layers, block page ``p``)::
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 from typing import Any, cast
 
 import torch
@@ -38,6 +44,7 @@ from kvpool.tracing import get_logger
 from .block_pool import KVPoolBlockPool
 
 _ATTR = "kvpool_memory"  # the attribute carried by KVCacheConfig to workers
+IDLE_POLL_S = 0.1
 _installed = False
 # Spaces created in this process, by shared-memory fd, until the scheduler
 # and (in-process) the worker pick them up.
@@ -86,7 +93,45 @@ def install() -> None:
     if runner is not None:  # imported before the plugin: patch its own name too
         runner.allocate_kv_cache = allocate_kv_cache  # type: ignore[attr-defined]
     coordinator.BlockPool = _block_pool
+    _install_idle_hook()
     _installed = True
+
+
+class _IdleAwareQueue(queue.Queue):  # type: ignore[type-arg]
+    """The engine core's input queue: a blocking get wakes up while idle."""
+
+    on_idle: Any = None
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        if not block or timeout is not None or self.on_idle is None:
+            return super().get(block, timeout)
+        while True:
+            try:
+                return super().get(True, IDLE_POLL_S)
+            except queue.Empty:
+                self.on_idle()
+
+
+def _install_idle_hook() -> None:
+    import vllm.v1.engine.core as core
+
+    # Not __init__: vLLM loads plugins from inside EngineCore.__init__, too
+    # late for the instance being built. The busy loop's input step runs after.
+    original = core.EngineCoreProc._process_input_queue
+
+    def _process_input_queue(self: Any) -> None:
+        if not getattr(self, "_kvpool_idle_armed", False):
+            self._kvpool_idle_armed = True
+            kv = getattr(getattr(self, "scheduler", None), "kv_cache_manager", None)
+            block_pool = getattr(kv, "block_pool", None)
+            if isinstance(block_pool, KVPoolBlockPool) and type(self.input_queue) is queue.Queue:
+                # Same object, new class: the input thread already holds it.
+                q = self.input_queue
+                q.__class__ = _IdleAwareQueue
+                cast(_IdleAwareQueue, q).on_idle = block_pool.on_idle
+        original(self)
+
+    core.EngineCoreProc._process_input_queue = _process_input_queue
 
 
 def _tensor_layout(kv_cache_config: Any) -> tuple[Any, Geometry]:

@@ -29,7 +29,8 @@ Why this shape:
   tenant is waiting, or an operator lowered this engine's limit below what
   it holds), cached blocks are reclaimed by whole pages, oldest page first,
   so the pages can really be released; checked from the scheduler's own
-  calls, never from another thread (vLLM's structures are not thread-safe).
+  calls and, while a server's engine idles, from its idle loop (both on the
+  engine's thread: vLLM's structures are not thread-safe).
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
                 release[block.block_id] = None
         if release:
             self.space.free(np.fromiter(release, dtype=np.int64, count=len(release)))
+        if self._reported_waiting and self.free_block_queue.num_free_blocks == self.num_gpu_blocks - 1:
+            # Nothing in use any more: an offline engine may never call again,
+            # so it must not leave "waiting" behind in the ledger.
+            self.space.report_waiting(0)
+            self._reported_waiting = 0
         self._maybe_reclaim()
 
     def touch(self, blocks: Any) -> None:
@@ -150,6 +156,11 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             return False
         self._release_evictable(list(self._evictable.values()))
         return True
+
+    def on_idle(self) -> None:
+        """Called by the engine core while it has no requests (its own thread):
+        give cached pages back if the pool wants memory."""
+        self._maybe_reclaim(idle=True)
 
     # -- kvpool side -----------------------------------------------------------
     def _alloc_ids(self, n: int) -> Any:
@@ -185,7 +196,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             ids[k] = block.block_id
         self.space.free(ids)
 
-    def _maybe_reclaim(self) -> None:
+    def _maybe_reclaim(self, idle: bool = False) -> None:
         now = time.monotonic()
         if now < self._next_pressure_check:
             return
@@ -193,7 +204,8 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         # vLLM never says it is waiting (a shortage is a None it handles
         # itself), so tell the pool when this engine is at its edge: less
         # than a page of room and nothing of its own left to evict.
-        starving = int(self.space.available() + len(self._evictable) < self._blocks_per_page)
+        # An idle engine wants nothing.
+        starving = 0 if idle else int(self.space.available() + len(self._evictable) < self._blocks_per_page)
         if starving != self._reported_waiting and self.space.pool is not None:
             self.space.report_waiting(starving)
             self._reported_waiting = starving

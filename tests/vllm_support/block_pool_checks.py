@@ -181,6 +181,24 @@ def another_tenant_waiting_makes_an_engine_give_cached_pages_back(name: str) -> 
 
 
 @check
+def an_engine_at_the_pools_edge_reports_waiting_until_it_holds_nothing(name: str) -> None:
+    bp.PRESSURE_CHECK_S = 0.0
+    with block_pool(name, pages=2, caching=False) as p:
+        assert p.space.pool is not None
+
+        def waiting() -> list[int]:
+            return [t.waiting for t in p.space.pool.tenants() if t.name == "eng"]  # type: ignore[union-attr]
+
+        blocks = p.get_new_blocks(p.get_num_free_blocks() - 2)
+        p.get_num_free_blocks()
+        assert waiting() == [1]  # less than a page of room left, nothing to evict
+        p.free_blocks(blocks[:1])
+        assert waiting() == [1]  # still holding blocks
+        p.free_blocks(blocks[1:])
+        assert waiting() == [0]  # idle engines must not keep asking
+
+
+@check
 def a_lowered_limit_reclaims_down_to_it(name: str) -> None:
     bp.PRESSURE_CHECK_S = 0.0
     with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
