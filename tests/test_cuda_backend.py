@@ -76,8 +76,9 @@ def test_commit_is_one_allocation_mapped_in_slices_and_release_frees_it(space: K
     assert driver_bytes(fake) == 0 and fake.fake_cuda_live_handles() == 1
 
 
-def region_address(space: KVSpace, r: int) -> int:
-    """Data pointer of region r's DLPack capsule (torch here has no CUDA to wrap it)."""
+def region_address(space: KVSpace, r: int | None) -> int:
+    """Data pointer of region r's DLPack capsule, or of all regions' (None);
+    torch here has no CUDA to wrap it."""
 
     class DLDevice(ctypes.Structure):
         _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
@@ -85,7 +86,7 @@ def region_address(space: KVSpace, r: int) -> int:
     class DLTensor(ctypes.Structure):
         _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice)]
 
-    capsule = space._space.region(r)
+    capsule = space._space.memory() if r is None else space._space.region(r)
     get = ctypes.pythonapi.PyCapsule_GetPointer
     get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
     tensor = ctypes.cast(get(capsule, b"dltensor"), ctypes.POINTER(DLTensor)).contents
@@ -165,3 +166,13 @@ def test_a_pool_created_for_a_cuda_space_defaults_to_the_device_free_memory(fake
     finally:
         os.environ.pop("FAKE_CUDA_TOTAL")
         Pool.remove(name)
+
+
+def test_a_cuda_space_is_one_flat_memory_but_cannot_be_mapped_elsewhere(space: KVSpace) -> None:
+    from kvpool import BackendError
+
+    base = region_address(space, None)
+    assert [region_address(space, r) for r in range(G.num_regions)] == [
+        base + r * G.region_bytes for r in range(G.num_regions)]
+    with pytest.raises(BackendError, match="only CPU spaces"):
+        space.shared_memory()
