@@ -1,4 +1,4 @@
-"""Where the plugin meets vLLM (0.32): three small patches, installed once.
+"""Where the plugin meets vLLM (0.32): small patches, installed once.
 
 1. ``Executor.initialize_from_config`` (engine-core process, before any
    worker allocates): create the KV space for the config vLLM computed and
@@ -8,7 +8,11 @@
    the layer stride of the space's regions.
 3. ``kv_cache_coordinator.BlockPool`` (engine-core process): the scheduler's
    block pool becomes :class:`KVPoolBlockPool` over that space.
-4. ``EngineCoreProc`` (the engine-core process of a server): while it idles,
+4. ``Scheduler.schedule``: each step starts with the block pool's pressure
+   check (no prefix-cache lookup is pending then); with async scheduling it
+   also turns on vLLM's deferred block free, so a page is never released
+   under a step still in flight.
+5. ``EngineCoreProc`` (the engine-core process of a server): while it idles,
    its input queue wakes every ``IDLE_POLL_S`` so the block pool can give
    cached pages back to a pool that wants them, on the engine's own thread
    (vLLM's structures are not thread-safe, and an idle engine otherwise runs
@@ -93,8 +97,35 @@ def install() -> None:
     if runner is not None:  # imported before the plugin: patch its own name too
         runner.allocate_kv_cache = allocate_kv_cache  # type: ignore[attr-defined]
     coordinator.BlockPool = _block_pool
+    _install_step_hook()
     _install_idle_hook()
     _installed = True
+
+
+def _kvpool_block_pool(scheduler: Any) -> KVPoolBlockPool | None:
+    block_pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
+    return block_pool if isinstance(block_pool, KVPoolBlockPool) else None
+
+
+def _install_step_hook() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.schedule
+
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        block_pool = _kvpool_block_pool(self)
+        if block_pool is not None:
+            if not getattr(self, "_kvpool_armed", False):
+                self._kvpool_armed = True
+                if self.vllm_config.max_concurrent_batches > 1:
+                    # Async scheduling: a finished request's blocks may still
+                    # be written by the step in flight; vLLM's own fence holds
+                    # their free back, so kvpool never releases a page under it.
+                    self.defer_block_free = True
+            block_pool.on_step()
+        return original(self, *args, **kwargs)
+
+    Scheduler.schedule = schedule
 
 
 class _IdleAwareQueue(queue.Queue):  # type: ignore[type-arg]
@@ -109,7 +140,10 @@ class _IdleAwareQueue(queue.Queue):  # type: ignore[type-arg]
             try:
                 return super().get(True, IDLE_POLL_S)
             except queue.Empty:
-                self.on_idle()
+                try:
+                    self.on_idle()
+                except Exception as e:  # never take the engine's loop down
+                    get_logger().warning("vllm idle reclaim failed", error=repr(e))
 
 
 def _install_idle_hook() -> None:
@@ -122,9 +156,8 @@ def _install_idle_hook() -> None:
     def _process_input_queue(self: Any) -> None:
         if not getattr(self, "_kvpool_idle_armed", False):
             self._kvpool_idle_armed = True
-            kv = getattr(getattr(self, "scheduler", None), "kv_cache_manager", None)
-            block_pool = getattr(kv, "block_pool", None)
-            if isinstance(block_pool, KVPoolBlockPool) and type(self.input_queue) is queue.Queue:
+            block_pool = _kvpool_block_pool(getattr(self, "scheduler", None))
+            if block_pool is not None and type(self.input_queue) is queue.Queue:
                 # Same object, new class: the input thread already holds it.
                 q = self.input_queue
                 q.__class__ = _IdleAwareQueue
@@ -163,6 +196,12 @@ def _tensor_layout(kv_cache_config: Any) -> tuple[Any, Geometry]:
 def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> KVSpace | None:
     if not kv_cache_configs:
         return None
+    world = int(vllm_config.parallel_config.world_size)
+    if len(kv_cache_configs) != 1 or world != 1:
+        # One space per engine; each rank of a TP/PP engine would need its own.
+        raise NotImplementedError(
+            f"kvpool's vLLM plugin supports one worker per engine, this one has {world} "
+            f"(unset KVPOOL_VLLM to run it without kvpool)")
     _, g = _tensor_layout(kv_cache_configs[0])
     device = str(vllm_config.device_config.device_type)
     if device not in ("cpu", "cuda"):

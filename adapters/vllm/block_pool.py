@@ -28,9 +28,10 @@ Why this shape:
   LRU order loses no memory). When the *pool* needs memory back (another
   tenant is waiting, or an operator lowered this engine's limit below what
   it holds), cached blocks are reclaimed by whole pages, oldest page first,
-  so the pages can really be released; checked from the scheduler's own
-  calls and, while a server's engine idles, from its idle loop (both on the
-  engine's thread: vLLM's structures are not thread-safe).
+  so the pages can really be released. That is checked at the start of each
+  scheduler step and, while a server's engine idles, from its idle loop:
+  both on the engine's thread (vLLM's structures are not thread-safe) and
+  never between a prefix-cache lookup and the touch that takes the hit.
 """
 
 from __future__ import annotations
@@ -82,18 +83,26 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         self._page_bytes = g.page_bytes
         self._blocks_per_page = max(1, g.page_bytes // g.region_block_bytes)
         self._reported_waiting = 0
+        self._virtual_count = False
 
     # -- what vLLM asks ---------------------------------------------------------
+    # No method here reclaims: vLLM looks up prefix-cache hits (ref 0) and
+    # touches them later in the same allocate_slots, calling this pool (and
+    # free_blocks, for skipped blocks) in between. Reclaiming there could drop
+    # a hit before it is touched; pressure is handled at step start instead.
     def get_num_free_blocks(self) -> int:
-        self._maybe_reclaim()
         queued = int(self.free_block_queue.num_free_blocks)
+        if self._virtual_count:
+            return queued
         return min(queued, self.space.available() + len(self._evictable))
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
         if num_blocks <= 0:
             return []
-        if num_blocks > self.get_num_free_blocks():
+        if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        # vLLM checked get_num_free_blocks; if another tenant took the budget
+        # since, _alloc_ids waits for it rather than failing the step.
         ids = self._alloc_ids(num_blocks)
         blocks = [self.blocks[int(i)] for i in ids]
         for block in blocks:
@@ -119,6 +128,8 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             if self.enable_caching and block.block_hash is not None:
                 self._evictable.pop(block.block_id, None)
                 self._evictable[block.block_id] = block  # most recent at the end
+            elif block.block_id in self._reuse_watchers:
+                self._evictable[block.block_id] = block  # unpinned: readable until reused
             elif block.block_id not in self._evictable:
                 release[block.block_id] = None
         if release:
@@ -128,12 +139,11 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             # so it must not leave "waiting" behind in the ledger.
             self.space.report_waiting(0)
             self._reported_waiting = 0
-        self._maybe_reclaim()
 
     def touch(self, blocks: Any) -> None:
         super().touch(blocks)
         for block in blocks:
-            if block.ref_cnt == 1:
+            if block.ref_cnt > 0:
                 self._evictable.pop(block.block_id, None)
 
     def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Any) -> None:
@@ -152,10 +162,22 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         self._release_evictable(dropped)
 
     def reset_prefix_cache(self) -> bool:
-        if not super().reset_prefix_cache():
-            return False
+        # vLLM's check ("every block but the null one is free") must count
+        # virtual blocks: the pool may not back them all right now.
+        self._virtual_count = True
+        try:
+            if not super().reset_prefix_cache():
+                return False
+        finally:
+            self._virtual_count = False
         self._release_evictable(list(self._evictable.values()))
         return True
+
+    def on_step(self) -> None:
+        """Called at the start of each scheduler step (the engine's thread, no
+        prefix-cache lookup pending): give cached pages back if the pool
+        wants memory, and tell it whether this engine is short."""
+        self._maybe_reclaim()
 
     def on_idle(self) -> None:
         """Called by the engine core while it has no requests (its own thread):
@@ -198,6 +220,10 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
 
     def _maybe_reclaim(self, idle: bool = False) -> None:
         now = time.monotonic()
+        if self._evictable and self._over_limit():
+            # Unthrottled: over its limit an engine's cached pages cannot be
+            # recommitted, so they must not stay counted as free.
+            self.reclaim_pages(self._pages_the_pool_wants())
         if now < self._next_pressure_check:
             return
         self._next_pressure_check = now + PRESSURE_CHECK_S
@@ -213,6 +239,10 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             pages = self._pages_the_pool_wants()
             if pages:
                 self.reclaim_pages(pages)
+
+    def _over_limit(self) -> bool:
+        st = self.space.stats()  # one native call
+        return st.limit_pages >= 0 and st.committed_bytes > st.limit_pages * st.page_commit_bytes
 
     def _pages_the_pool_wants(self) -> int:
         """Pages to give back now: enough to get under this engine's limit,

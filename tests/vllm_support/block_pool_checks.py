@@ -171,12 +171,15 @@ def another_tenant_waiting_makes_an_engine_give_cached_pages_back(name: str) -> 
         blocks = cache_and_free(p, 3 + 2 * PER_PAGE)
         held = p.num_evictable_blocks
         assert held == len(blocks)
-        p.get_num_free_blocks()
+        p.on_step()
         assert p.num_evictable_blocks == held  # nobody waits: the cache stays
         with KVSpace(Geometry(1, 1, BLOCK, N, page_bytes=PAGE), pool=p.space.pool, name="other",
                      reserve_thread=False, reserve=(0, 0)) as other:
             other.report_waiting(1)
             p.get_num_free_blocks()
+            p.free_blocks([])
+            assert p.num_evictable_blocks == held  # never from vLLM's own calls (a hit may be pending)
+            p.on_step()
             assert p.num_evictable_blocks == held - 2 * PER_PAGE  # two whole pages given back
 
 
@@ -190,7 +193,7 @@ def an_engine_at_the_pools_edge_reports_waiting_until_it_holds_nothing(name: str
             return [t.waiting for t in p.space.pool.tenants() if t.name == "eng"]  # type: ignore[union-attr]
 
         blocks = p.get_new_blocks(p.get_num_free_blocks() - 2)
-        p.get_num_free_blocks()
+        p.on_step()
         assert waiting() == [1]  # less than a page of room left, nothing to evict
         p.free_blocks(blocks[:1])
         assert waiting() == [1]  # still holding blocks
@@ -206,9 +209,71 @@ def a_lowered_limit_reclaims_down_to_it(name: str) -> None:
         assert p.space.stats().committed_bytes == 4 * PAGE
         assert p.space.pool is not None
         p.space.pool.set_limit("eng", 2 * PAGE)
-        p.get_num_free_blocks()
+        p.on_step()  # over the limit: not throttled
         p.space.trim()
         assert p.space.stats().committed_bytes <= 2 * PAGE
+
+
+@check
+def a_pending_cache_hit_survives_pressure_until_it_is_touched(name: str) -> None:
+    # Regression (review of the plugin): vLLM looks a hit up (ref 0), then
+    # calls get_num_free_blocks / free_blocks, then touches it. Reclaiming in
+    # between dropped the hit and left a block in use that the space thought
+    # free.
+    bp.PRESSURE_CHECK_S = 0.0
+    with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
+        blocks = cache_and_free(p, 3 + 2 * PER_PAGE)
+        hit = cached(p, b"c%d" % blocks[-1].block_id)
+        assert hit is not None
+        with KVSpace(Geometry(1, 1, BLOCK, N, page_bytes=PAGE), pool=p.space.pool, name="other",
+                     reserve_thread=False, reserve=(0, 0)) as other:
+            other.report_waiting(1)
+            p.get_num_free_blocks()
+            p.free_blocks([])
+            assert cached(p, b"c%d" % blocks[-1].block_id) is hit
+            p.touch([hit])
+            p.on_step()  # the step boundary: pages of cached blocks go
+            assert hit.ref_cnt == 1 and hit.block_hash is not None
+            used = p.space.stats().used_blocks
+            assert used == 1 + p.num_evictable_blocks  # the hit is still held by the space
+            fresh = p.get_new_blocks(p.get_num_free_blocks())
+            assert hit not in fresh
+
+
+@check
+def another_tenant_taking_the_budget_after_the_check_makes_get_new_blocks_wait(name: str) -> None:
+    import threading
+
+    bp.SHORTAGE_WAIT_S = 10.0
+    with block_pool(name, pages=4, caching=False) as p:
+        free = p.get_num_free_blocks()
+        assert free == 3 + 3 * PER_PAGE
+        with KVSpace(Geometry(1, 1, BLOCK, N, page_bytes=PAGE), pool=p.space.pool, name="thief",
+                     reserve_thread=False, reserve=(0, 0)) as thief:
+            stolen = thief.alloc(PER_PAGE)  # one page of budget gone after vLLM's check
+            threading.Timer(0.3, lambda: (thief.free(stolen), thief.trim())).start()
+            blocks = p.get_new_blocks(free)  # waits for the budget instead of failing the step
+            assert len(blocks) == free and len({b.block_id for b in blocks}) == free
+
+
+@check
+def reset_prefix_cache_works_when_the_pool_backs_less_than_the_virtual_capacity(name: str) -> None:
+    with block_pool(name, pages=3, caching=True) as p:
+        cache_and_free(p, 5)
+        assert p.get_num_free_blocks() < N - 1  # physical room is below vLLM's count
+        assert p.reset_prefix_cache()
+        assert p.num_evictable_blocks == 0 and p.space.stats().used_blocks == 0
+
+
+@check
+def a_block_touched_twice_in_one_call_is_no_longer_evictable(name: str) -> None:
+    with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
+        (a,) = cache_and_free(p, 1)
+        assert p.num_evictable_blocks == 1
+        p.touch([a, a])
+        assert a.ref_cnt == 2 and p.num_evictable_blocks == 0
+        p.free_blocks([a, a])
+        assert p.num_evictable_blocks == 1
 
 
 @check
@@ -249,7 +314,7 @@ def main() -> None:
     prefix = sys.argv[1]
     results: dict[str, str] = {}
     for i, (name, fn) in enumerate(CHECKS.items()):
-        bp.PRESSURE_CHECK_S = 0.05
+        bp.PRESSURE_CHECK_S, bp.SHORTAGE_WAIT_S = 0.05, 30.0
         try:
             fn(f"{prefix}-{i}")
             results[name] = "ok"
