@@ -36,16 +36,18 @@ Figures
    carry no hash, so "on" exercises the eviction check on every block).
    Also ``get_num_free_blocks()`` alone (the scheduler calls it every step).
    Reported in us per call; ratios kvpool / vLLM. ``--profile`` adds, per n,
-   the functions that dominate the ``kvpool`` round trip (cProfile, caching
-   off; its own overhead inflates every figure, read the shares).
+   the functions that dominate the ``vllm`` and ``kvpool`` round trips
+   (cProfile, caching off; its own overhead inflates every figure: read the
+   shares).
 
 2. **Generation** (``generation``): ``tests/vllm_support/run_engine.py`` runs
    an in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on the
    tiny random Llama of ``tests/vllm_support/tiny_llama.py`` (built into a
    temporary folder), with and without the plugin (``KVPOOL_VLLM=1``, a pool
    created for the run, ``KVPOOL_VLLM_PAGE_BYTES`` = 64 KiB by default: with
-   the plugin's 2 MiB default this workload fits in one page per layer, so no
-   page would be committed or released while it runs). Same prompts (16, of
+   the plugin's 2 MiB default this workload (~110 blocks, 256 to a page)
+   fits in one page per layer, so pages would hardly ever be committed or
+   released while it runs; ``--page-bytes`` changes it). Same prompts (16, of
    5 to 200 tokens), greedy, ``ignore_eos``, 128 new tokens, batch limit 16,
    prefix caching off, 64 MiB of KV cache (4096 blocks of 32 tokens). Each
    engine process runs a short warm-up batch, then the same batch several
@@ -57,6 +59,13 @@ Figures
    both configurations; the JSON records it (``tokens_identical``) and the
    script exits 1 (after writing it) if not. The plugin's "vllm space
    created" event must appear in plugin runs and only there.
+
+   vLLM's CPU worker keeps a busy thread on every core, so another process
+   taking even a fraction of a core slows an engine run many times over.
+   The bench measures what other processes took during each run (system CPU
+   time from ``/proc/stat`` less its own and its children's) and does a run
+   again (at most twice) when that exceeded 0.1 core; runs kept disturbed
+   are marked, and the report warns.
 
 When no vLLM interpreter is found, the JSON records ``{"available": false,
 "why": ...}`` for both figures and the script exits 0.

@@ -104,7 +104,8 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         # vLLM checked get_num_free_blocks; if another tenant took the budget
         # since, _alloc_ids waits for it rather than failing the step.
         ids = self._alloc_ids(num_blocks)
-        blocks = [self.blocks[int(i)] for i in ids]
+        all_blocks = self.blocks
+        blocks = [all_blocks[i] for i in ids.tolist()]
         for block in blocks:
             self.free_block_queue.remove(block)
         if self._reuse_watchers:
@@ -121,19 +122,22 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         ordered = list(ordered_blocks)
         super().free_blocks(ordered)
-        release: dict[int, None] = {}
+        release: list[int] = []
+        caching, evictable, watchers = self.enable_caching, self._evictable, self._reuse_watchers
         for block in ordered:
             if block.ref_cnt != 0 or block.is_null or (block.pool is not None and block.pool is not self):
                 continue
-            if self.enable_caching and block.block_hash is not None:
-                self._evictable.pop(block.block_id, None)
-                self._evictable[block.block_id] = block  # most recent at the end
-            elif block.block_id in self._reuse_watchers:
-                self._evictable[block.block_id] = block  # unpinned: readable until reused
-            elif block.block_id not in self._evictable:
-                release[block.block_id] = None
+            bid = block.block_id
+            if caching and block.block_hash is not None:
+                evictable.pop(bid, None)
+                evictable[bid] = block  # most recent at the end
+            elif bid in watchers:
+                evictable[bid] = block  # unpinned: readable until reused
+            elif bid not in evictable:
+                release.append(bid)
         if release:
-            self.space.free(np.fromiter(release, dtype=np.int64, count=len(release)))
+            # A block listed twice in one call reached ref 0 once: dedupe.
+            self.space.free(np.array(list(dict.fromkeys(release)), dtype=np.int64))
         if self._reported_waiting and self.free_block_queue.num_free_blocks == self.num_gpu_blocks - 1:
             # Nothing in use any more: an offline engine may never call again,
             # so it must not leave "waiting" behind in the ledger.
