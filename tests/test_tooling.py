@@ -41,3 +41,20 @@ def test_package_passes_mypy_strict() -> None:
         pytest.skip("mypy is not installed")
     res = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_engine_benchmark_runs_quick_against_real_vllm(tmp_path: pathlib.Path) -> None:
+    import os
+
+    if not os.environ.get("KVPOOL_VLLM_PYTHON"):
+        pytest.skip("set KVPOOL_VLLM_PYTHON to a vLLM venv's python (scripts/test.sh does)")
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_engines.py"), "--quick", "--json", str(out)],
+                   check=True, cwd=tmp_path, capture_output=True)
+    res = json.loads(out.read_text())
+    assert res["installed_adapter_matches_checkout"] is True
+    assert res["blockpool"]["available"] and res["blockpool"]["ratios"]
+    gen = res["generation"]
+    assert gen["available"] and gen["tokens_identical"] is True and gen["ratio_tokens_per_s"] > 0
