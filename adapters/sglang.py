@@ -1,59 +1,86 @@
 """An SGLang token-to-KV allocator over a kvpool space (``kvpool.adapters.sglang``).
 
-SGLang's scheduler hands out KV slots through a ``TokenToKVPoolAllocator``
-(``page_size == 1``) or a ``PagedTokenToKVPoolAllocator`` (``page_size > 1``)
-from ``sglang/srt/mem_cache/allocator.py``. :class:`KVPoolTokenAllocator`
-keeps that contract for both page sizes while the pages live in a
-:class:`kvpool.KVSpace`, so physical memory is committed only while SGLang
-holds pages on it. It does not import SGLang.
+:class:`KVPoolTokenAllocator` keeps the contract of SGLang's
+``TokenToKVPoolAllocator`` (``page_size == 1``) and
+``PagedTokenToKVPoolAllocator`` (``page_size > 1``) while the pages live in a
+:class:`kvpool.KVSpace`, so memory is committed only while SGLang holds pages
+on it. It does not import SGLang.
+
+Supported SGLang surface (``sglang/srt/mem_cache/allocator.py`` and its
+successor package ``mem_cache/allocator/``): ``alloc(need_size)``, the
+six-argument ``alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens,
+seq_lens_cpu, last_loc, extend_num_tokens[, num_new_pages])`` (releases
+without the ``*_cpu`` arguments are not supported), ``alloc_decode(seq_lens,
+seq_lens_cpu, last_loc)``, ``free``, free groups (``free_group is None`` or the
+older ``is_not_in_free_group``), ``backup_state``/``restore_state``, the
+attributes and pass-throughs of SGLang's base class, and the newer hooks
+``free_full``, ``free_segment(s)`` and ``get_all_free_pages``. Not provided:
+``evict_to_free_tokens``/``check_decode_capacity`` (they drive SGLang's
+tree-cache eviction, whose API moves between releases; SGLang's base-class
+defaults are written against ``available_size``, so an integration may list
+``BaseTokenToKVPoolAllocator`` as a second base after this class, untested
+here), ``verify_byte_accounting``, ``translate_kv_indices_for_transfer``,
+``resize`` and ``merge_and_sort_free``.
 
 Index mapping (the only thing this module owns; allocation is the space's)::
 
-    kvpool block b  ==  SGLang page b  ==  tokens [b*page_size, (b+1)*page_size)
-
     tokens:  | 0 .. ps-1 | ps .. 2ps-1 | 2ps .. 3ps-1 | ...
-    page:    |  0 (pad)  |      1      |      2       | ...   1..num_pages
-    block:   |  0 (null) |      1      |      2       | ...   of the space
+    page:    |  0 (pad)  |      1      |      2       | ...   SGLang's, 1..num_pages
+    block:   |  0 (null) |      1      |      2       | ...   the space's
 
-Page 0 is SGLang's padding slot (padded tokens write dummy KV there), so the
-space is made with ``null_block=True``: block 0 is held from the start and
-never handed out. The space has exactly ``num_pages + 1`` blocks, so every
-token index fits SGLang's ``size + page_size`` KV buffers.
+Page 0 is SGLang's padding slot (padded tokens write dummy KV there): the
+space is made with ``null_block=True`` and ``num_pages + 1`` blocks.
 
-Why backup/restore needs a *deferred* set. SGLang's ``backup_state`` is a
-snapshot of the free list and ``restore_state`` puts it back exactly: pages
-allocated after the backup are free again, pages freed after it are held
-again (EAGLE allocates draft slots for one step and rolls them back this
-way). Freeing a page to the space would let it be released (punched to
-zero) or handed out by another path, so a later restore could not give it
-back intact. Hence, while a backup is live:
+Freed pages stay in the space for a step. SGLang frees KV the GPU may still
+touch: the overlap scheduler (its default) frees a finished request in
+``process_batch_result`` while the next batch, which may still hold it, runs;
+EAGLE calls ``restore_state`` *before* its draft forward writes into the slots
+the restore just freed. Given to the space then, a page could be released
+(punched out on the CPU, unmapped on CUDA) under the kernel. So a free makes
+a page *pending*: logically free (counted by :meth:`available_size`, reused
+first by this allocator's allocs, as SGLang's free list would) but still held
+in the space, which gets it back at the second :meth:`flush` after the free::
 
-* a page that was held at backup time and is freed goes to ``_deferred``:
-  logically free (counted by :meth:`available_size`, reused first by the
-  next alloc) but still held in the space;
-* a page allocated after the backup goes straight back to the space when
-  freed (restore would free it anyway);
-* each page's first change after the backup is journaled (``_touched`` /
-  ``_was_held``, numpy arrays, so the cost is per call, not per page
-  object), and restore only walks the journal: pages held now but not at
-  backup are freed to the space in one call, deferred pages are held again.
+    FREE ──alloc──► HELD ──free──► PENDING ──flush──► PENDING (aged) ──flush──► FREE
+                     ▲                          │
+                     └── alloc, oldest first ───┘
 
-Reusing deferred pages directly (instead of flushing them to the space when
-an alloc would miss) means no alloc ever invalidates a live backup: restore
-after ``backup, free(p), alloc -> p`` gives the same answer SGLang's own free
-list gives. One backup is live at a time: a new ``backup_state()`` first
-returns the deferred pages to the space and supersedes the old state, and
-``clear()`` / :meth:`discard_backup` end it; restoring a superseded state
-raises ``ValueError`` instead of corrupting the page table. A restored state
-stays valid (it may be restored again, as SGLang's can).
+**Safe points.** Call :meth:`flush` at the end of every scheduler loop
+iteration, idle ones included (SGLang's loop keeps turning while idle, so an
+idle server gives memory back within two iterations). By the second flush
+the batch that could still read a page has had its output copied to the
+host, which waits for the kernels before it. :meth:`clear` (SGLang clears only
+when idle) and :meth:`close` return everything at once; nothing else returns
+pages, so without :meth:`flush` freed pages stay committed to this engine.
 
-``available_size()`` is what an alloc can deliver now (free pages of the
-space within its pool budget and limit, plus deferred pages), never more:
-SGLang admits work by it and treats a later ``None`` from ``alloc`` in
-``alloc_token_slots`` as a fatal out-of-memory. When the pool cannot cover
-the whole ``size``, it is therefore below ``size - used``, and SGLang's idle
-leak check (``Scheduler.check_memory``: available + evictable ==
-``max_total_num_tokens``) has to be relaxed by the integration.
+Backups are single-use. SGLang's ``restore_state`` puts its free list back
+exactly: pages allocated since the backup are free again, pages freed since
+are held again. While a backup is live, a page allocated from the free pages
+is *NEW*, and a freed page that was held at the backup is *KEPT* (pending,
+but restore holds it again); the pages allocated since are listed, so a
+restore touches only them and the pending list::
+
+    restore:     NEW -> PENDING        KEPT -> HELD
+    backup ends: NEW -> HELD           KEPT -> PENDING
+
+Restoring ends the backup (no SGLang caller restores one twice: a second
+restore raises ``ValueError`` and changes nothing), and so do a new
+``backup_state()``, :meth:`flush` and :meth:`clear`.
+
+Shortages. ``available_size()`` is what an alloc can deliver now: the
+space's free pages within its pool budget and limit, plus pending ones.
+SGLang admits work by it and treats a later ``None`` as a fatal
+out-of-memory, so when another engine takes the budget in between, an alloc
+waits up to ``shortage_wait_s`` (telling the pool this engine is waiting)
+before returning ``None``; never when SGLang's own allocator would miss too.
+Below the pool's edge ``available_size()`` is less than ``size - used``, so
+SGLang's idle leak check (available + evictable == ``max_total_num_tokens``)
+has to be relaxed by the integration.
+
+Bad frees raise. SGLang's allocators silently take some double frees (at
+``page_size == 1`` the slot lands in the free list twice); this one raises
+:class:`kvpool.InvalidBlocks` and changes nothing, deliberately: a page handed
+out twice corrupts two requests.
 
 SGLang drives the allocator from its scheduler thread only; like SGLang's own
 allocators this class takes no lock.
@@ -62,7 +89,10 @@ allocators this class takes no lock.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import os
+import select
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,10 +109,11 @@ __all__ = ["AllocatorState", "KVPoolTokenAllocator"]
 Ids = npt.NDArray[np.int64]
 IntsLike = torch.Tensor | Sequence[int] | npt.NDArray[np.integer[Any]]
 
-# Per-page state. Page 0 stays _FREE here: the space holds it as its null block and
-# frees of it are refused by the range check.
-_FREE, _HELD, _DEFERRED = 0, 1, 2
+# Per-page state (see the module essay). Page 0 stays _FREE here: the space holds it
+# as its null block and frees of it are refused by the range check.
+_FREE, _HELD, _NEW, _PENDING, _KEPT = 0, 1, 2, 3, 4
 _uids = itertools.count()
+_POLL_S = 0.05  # shortage wait: re-try at least this often (other engines' frees do not wake us)
 
 
 @dataclass(frozen=True)
@@ -93,80 +124,64 @@ class AllocatorState:
     generation: int
 
 
-def _ints(x: IntsLike, name: str) -> Ids:
-    """A 1-D int64 numpy copy of an index/length argument (tensors come to the CPU)."""
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    arr = np.asarray(x)
+def _ints(x: IntsLike, name: str, error: type[Exception] = ValueError) -> Ids:
+    """A 1-D int64 numpy copy of host-side integers (a tensor comes to the CPU)."""
+    arr = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
     if arr.size and arr.dtype.kind not in "iu":
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+        raise error(f"{name} must hold integers, got dtype {arr.dtype}")
     return arr.reshape(-1).astype(np.int64, copy=True)
-
-
-def _ceil_div(a: Ids, b: int) -> Ids:
-    return -(-a // b)
 
 
 class KVPoolTokenAllocator:
     """SGLang ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` over a KV space.
 
+    Frees reach the space at the second :meth:`flush` after them: call
+    :meth:`flush` at the end of every scheduler loop iteration, idle ones
+    included (module docstring, "Safe points").
+
     Args:
         size: tokens SGLang may address (``max_total_num_tokens``); pages are
             ``size // page_size``, numbered from 1.
         page_size: tokens per SGLang page (= one kvpool block).
-        dtype: the KV cache dtype (SGLang reads it; :meth:`token_view` uses it).
-        device: where index tensors live (SGLang's ``device``); also the
-            device of a space this allocator creates.
-        kvcache: SGLang's KV cache object, returned by :meth:`get_kvcache`.
-        need_sort: accepted for SGLang compatibility; the space already picks
-            best-fit pages, so nothing is sorted.
-        space: an existing space to allocate from (made with
-            ``null_block=True`` and ``num_blocks = size // page_size + 1``);
-            it is not closed by :meth:`close`. Without it the allocator makes
-            its own space from ``geometry`` or from the shape arguments below.
-        geometry: the geometry of the space to create (``num_blocks`` must be
-            ``size // page_size + 1``).
-        num_layers, num_kv_buffers, token_bytes, page_bytes, layout: the
-            geometry to build when neither ``space`` nor ``geometry`` is
-            given; ``token_bytes`` is one token of one buffer of one layer
-            (``head_num * head_dim * itemsize``).
+        dtype, device, kvcache, need_sort: SGLang's; ``device`` is where index
+            tensors live (and a created space); ``need_sort`` is ignored (the
+            space picks best-fit pages).
+        debug: check ``last_loc`` against the held pages (a host copy: one
+            sync per alloc). ``None``: when ``$SGLANG_DEBUG_MEMORY_POOL`` is set.
+        shortage_wait_s: how long an alloc waits when only the pool's budget
+            is short; ``0`` returns ``None`` at once.
+        space: a space to borrow (``null_block=True``, ``num_blocks = size //
+            page_size + 1``); :meth:`close` leaves it open. Without it the
+            allocator makes one from ``geometry`` or from ``num_layers``,
+            ``num_kv_buffers``, ``token_bytes`` (one token of one buffer of one
+            layer: ``head_num * head_dim * itemsize``), ``page_bytes``, ``layout``.
         pool, reserve, reserve_thread, limit_bytes, name: as
             :class:`kvpool.KVSpace` (``pool="default"`` means ``$KVPOOL_POOL``).
     """
 
     def __init__(
-        self,
-        size: int,
-        page_size: int = 1,
-        *,
-        dtype: torch.dtype,
-        device: str = "cpu",
-        kvcache: Any = None,
-        need_sort: bool = False,
-        space: KVSpace | None = None,
-        geometry: Geometry | None = None,
-        num_layers: int = 1,
-        num_kv_buffers: int = 2,
-        token_bytes: int | None = None,
-        page_bytes: int = 2 * MiB,
-        layout: Layout = "per_layer",
-        pool: Pool | str | None = "default",
-        reserve: tuple[int, int] = (1, 2),
-        reserve_thread: bool = True,
-        limit_bytes: int | None = None,
-        name: str | None = None,
+        self, size: int, page_size: int = 1, *, dtype: torch.dtype, device: str = "cpu",
+        kvcache: Any = None, need_sort: bool = False, debug: bool | None = None,
+        shortage_wait_s: float = 5.0,
+        space: KVSpace | None = None, geometry: Geometry | None = None,
+        num_layers: int = 1, num_kv_buffers: int = 2, token_bytes: int | None = None,
+        page_bytes: int = 2 * MiB, layout: Layout = "per_layer",
+        pool: Pool | str | None = "default", reserve: tuple[int, int] = (1, 2),
+        reserve_thread: bool = True, limit_bytes: int | None = None, name: str | None = None,
     ) -> None:
         for what, v in (("size", size), ("page_size", page_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{what} must be a positive int, got {v!r}")
         if size < page_size:
             raise ValueError(f"size ({size}) holds no whole page of {page_size} tokens; use size >= page_size")
-        self.size = size
-        self.page_size = page_size
-        self.num_pages = size // page_size
-        self.dtype = dtype
-        self.device = device
-        self.need_sort = need_sort
+        if not shortage_wait_s >= 0:
+            raise ValueError(f"shortage_wait_s must be >= 0, got {shortage_wait_s!r}")
+        self.size, self.page_size, self.num_pages = size, page_size, size // page_size
+        self.dtype, self.device, self.need_sort = dtype, device, need_sort
+        if debug is None:  # SGLang's own switch for the same checks in its paged allocator
+            debug = os.environ.get("SGLANG_DEBUG_MEMORY_POOL", "").lower() in ("1", "true")
+        self.debug = debug
+        self.shortage_wait_s = float(shortage_wait_s)
         self._kvcache = kvcache
         self._uid = next(_uids)
         want = self.num_pages + 1
@@ -181,29 +196,23 @@ class KVPoolTokenAllocator:
         else:
             if geometry is None:
                 if token_bytes is None:
-                    raise ValueError(
-                        "give space=, geometry= or token_bytes= (one token of one KV buffer of one layer, "
-                        "head_num * head_dim * itemsize) to size the KV space"
-                    )
+                    raise ValueError("give space=, geometry= or token_bytes= (one token of one KV buffer of one "
+                                     "layer, head_num * head_dim * itemsize) to size the KV space")
                 geometry = Geometry(num_layers, num_kv_buffers, page_size * token_bytes, want,
                                     page_bytes=page_bytes, layout=layout)
             self._check_blocks(geometry, want)
             if pool == "default":
                 pool = default_pool_name()
-            self.space = KVSpace(
-                geometry, device=device, null_block=True, reserve=reserve,
-                reserve_thread=reserve_thread, limit_bytes=limit_bytes, pool=pool, name=name,
-            )
+            self.space = KVSpace(geometry, device=device, null_block=True, reserve=reserve,
+                                 reserve_thread=reserve_thread, limit_bytes=limit_bytes, pool=pool, name=name)
             self._owns_space = True
 
-        # _state[p]: _FREE (in the space), _HELD (SGLang's) or _DEFERRED (see the module essay).
-        self._state = np.zeros(want, dtype=np.int8)
-        self._deferred: Ids = np.empty(0, dtype=np.int64)
-        # Backup journal: _touched marks pages changed since the live backup,
-        # _was_held their state at backup time; _touched_list enumerates them.
-        self._touched = np.zeros(want, dtype=bool)
-        self._was_held = np.zeros(want, dtype=bool)
-        self._touched_list: list[Ids] = []
+        self._state = np.zeros(want, dtype=np.int8)  # _FREE/_HELD/_NEW/_PENDING/_KEPT per page
+        # Pending and kept pages, oldest first; the first _aged have seen a flush
+        # (the next flush releases them). Kept pages are never aged: a flush ends the backup.
+        self._pending: Ids = np.empty(0, dtype=np.int64)
+        self._aged = 0
+        self._since: list[Ids] = []  # pages allocated while the live backup lasts
         self._generation = 0
         self._backup_live = False
         self.free_group: list[Ids] | None = None  # page ids per free() call, or None: no group
@@ -212,27 +221,23 @@ class KVPoolTokenAllocator:
     @staticmethod
     def _check_blocks(geometry: Geometry, want: int) -> None:
         if geometry.blocks != want:
-            raise ValueError(
-                f"the space has num_blocks={geometry.blocks} but SGLang addresses pages 0..{want - 1}; "
-                f"use num_blocks={want} (size // page_size + 1 for the padding page)"
-            )
+            raise ValueError(f"the space has num_blocks={geometry.blocks} but SGLang addresses pages 0..{want - 1}; "
+                             f"use num_blocks={want} (size // page_size + 1 for the padding page)")
         if geometry.capacity != geometry.blocks:
             # SGLang counts every page id as its own; a straddling block could never be handed out.
             B = geometry.region_block_bytes
-            raise ValueError(
-                f"blocks of {B} bytes straddle the {geometry.page_bytes}-byte kvpool pages, so only "
-                f"{geometry.capacity} of {geometry.blocks} SGLang pages could be handed out; use a "
-                f"page_bytes that is a multiple of {B}"
-            )
+            raise ValueError(f"blocks of {B} bytes straddle the {geometry.page_bytes}-byte kvpool pages, so only "
+                             f"{geometry.capacity} of {geometry.blocks} SGLang pages could be handed out; use a "
+                             f"page_bytes that is a multiple of {B}")
 
-    # -- SGLang attributes ---------------------------------------------------
+    # -- SGLang attributes and pass-throughs -----------------------------------
     @property
     def size_full(self) -> int:
         return self.size
 
     @property
     def is_not_in_free_group(self) -> bool:
-        """SGLang <= 0.5.18 spelled "no free group is open" this way."""
+        """Older SGLang spelled "no free group is open" this way."""
         return self.free_group is None
 
     def get_kvcache(self) -> Any:
@@ -248,14 +253,29 @@ class KVPoolTokenAllocator:
         return repr(self)
 
     def available_size(self) -> int:
-        """Tokens a following ``alloc`` can deliver: the space's free pages plus deferred ones."""
+        """Tokens a following ``alloc`` can deliver: the space's free pages plus pending ones."""
         self._check_open()
-        return (self.space.available() + int(self._deferred.size)) * self.page_size
+        return (self.space.available() + int(self._pending.size)) * self.page_size
 
     def held_pages(self) -> torch.Tensor:
         """Page ids SGLang holds now, ascending (for audits and tests)."""
         self._check_open()
-        return torch.from_numpy(np.flatnonzero(self._state == _HELD).astype(np.int64))
+        return torch.from_numpy(np.flatnonzero(self._held_mask()).astype(np.int64))
+
+    def pending_pages(self) -> torch.Tensor:
+        """Page ids that are logically free but still held in the space, ascending."""
+        self._check_open()
+        return torch.from_numpy(np.sort(self._pending))
+
+    def get_all_free_pages(self) -> torch.Tensor:
+        """Every page id SGLang does not hold (its free-list census; the pool may not back them all)."""
+        self._check_open()
+        free = np.flatnonzero(~self._held_mask()[1:]).astype(np.int64) + 1
+        return torch.from_numpy(free).to(self.device)
+
+    def _held_mask(self) -> npt.NDArray[np.bool_]:
+        held: npt.NDArray[np.bool_] = (self._state == _HELD) | (self._state == _NEW)
+        return held
 
     # -- allocation ----------------------------------------------------------
     def alloc(self, need_size: int) -> torch.Tensor | None:
@@ -264,134 +284,149 @@ class KVPoolTokenAllocator:
         if isinstance(need_size, bool) or not isinstance(need_size, (int, np.integer)) or need_size < 0:
             raise ValueError(f"need_size must be a non-negative int, got {need_size!r}")
         if need_size % self.page_size:
-            raise ValueError(
-                f"need_size ({need_size}) is not a multiple of page_size ({self.page_size}); "
-                "SGLang allocates whole pages here (alloc_extend/alloc_decode fill partial ones)"
-            )
+            raise ValueError(f"need_size ({need_size}) is not a multiple of page_size ({self.page_size}); SGLang "
+                             "allocates whole pages here (alloc_extend/alloc_decode fill partial ones)")
         pages = self._take(int(need_size) // self.page_size)
         if pages is None:
             return None
-        return self._to_device(self._tokens(pages))
+        if self.page_size > 1:
+            pages = (pages[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)
+        return self._to_device(pages)
 
-    def alloc_extend(
-        self,
-        prefix_lens: IntsLike,
-        prefix_lens_cpu: IntsLike,
-        seq_lens: IntsLike,
-        seq_lens_cpu: IntsLike,
-        last_loc: IntsLike,
-        extend_num_tokens: int,
-        num_new_pages: int | None = None,
-    ) -> torch.Tensor | None:
+    def alloc_extend(self, prefix_lens: IntsLike, prefix_lens_cpu: IntsLike, seq_lens: IntsLike,
+                     seq_lens_cpu: IntsLike, last_loc: IntsLike, extend_num_tokens: int,
+                     num_new_pages: int | None = None) -> torch.Tensor | None:
         """Slots for extending request ``i`` from ``prefix_lens[i]`` to ``seq_lens[i]`` tokens.
 
         Tokens first fill the request's last partial page (after
         ``last_loc[i]``, the slot of its last prefix token), then new pages,
-        taken in request order. Returns ``extend_num_tokens`` indices in
-        request order, or ``None`` (nothing changed) when the new pages are
-        not there. The lengths come from the ``*_cpu`` arguments.
+        taken in request order. ``None`` (nothing changed) when the new pages
+        are not there. Lengths come from the ``*_cpu`` arguments; ``last_loc``
+        stays on its device.
         """
         self._check_open()
         pre, seq = _ints(prefix_lens_cpu, "prefix_lens_cpu"), _ints(seq_lens_cpu, "seq_lens_cpu")
-        last = _ints(last_loc, "last_loc")
-        if not len(pre) == len(seq) == len(last) == len(prefix_lens) == len(seq_lens):
-            raise ValueError(
-                f"batch sizes differ: prefix_lens {len(prefix_lens)}, seq_lens {len(seq_lens)}, "
-                f"last_loc {len(last)}"
-            )
+        if not len(pre) == len(seq) == len(last_loc) == len(prefix_lens) == len(seq_lens):
+            raise ValueError(f"batch sizes differ: prefix_lens {len(prefix_lens)}, seq_lens {len(seq_lens)}, "
+                             f"last_loc {len(last_loc)}")
         if (pre < 0).any() or (seq < pre).any():
             raise ValueError("alloc_extend needs 0 <= prefix_lens <= seq_lens for every request")
-        ext = seq - pre
-        if int(ext.sum()) != extend_num_tokens:
-            raise ValueError(
-                f"extend_num_tokens is {extend_num_tokens} but seq_lens - prefix_lens sum to {int(ext.sum())}"
-            )
+        if int((seq - pre).sum()) != extend_num_tokens:
+            raise ValueError(f"extend_num_tokens is {extend_num_tokens} but seq_lens - prefix_lens sum to "
+                             f"{int((seq - pre).sum())}")
+        return self._extend(pre, seq, last_loc, num_new_pages)
+
+    def alloc_decode(self, seq_lens: IntsLike, seq_lens_cpu: IntsLike, last_loc: IntsLike) -> torch.Tensor | None:
+        """One slot per request whose length grows to ``seq_lens[i]``: an extend by one token
+        (the slot after ``last_loc[i]``, or the first of a new page); ``None`` as ``alloc_extend``."""
+        self._check_open()
+        seq = _ints(seq_lens_cpu, "seq_lens_cpu")
+        if not len(seq) == len(last_loc) == len(seq_lens):
+            raise ValueError(f"batch sizes differ: seq_lens {len(seq_lens)}, last_loc {len(last_loc)}")
+        if (seq < 1).any():
+            raise ValueError("alloc_decode needs seq_lens >= 1 (the length after this token)")
+        return self._extend(seq - 1, seq, last_loc, None)
+
+    def _extend(self, pre: Ids, seq: Ids, last_loc: IntsLike, num_new_pages: int | None) -> torch.Tensor | None:
+        """SGLang's extend layout; only host lengths are read, ``last_loc`` is added on its device.
+
+        Per request: [continue the prefix's partial page][whole new pages][partial new page].
+        """
         ps = self.page_size
-        first_new = _ceil_div(pre, ps)  # the first page index (within the request) that is new
-        new_per_req = _ceil_div(seq, ps) - first_new
+        ext = seq - pre
+        first_new = -(-pre // ps)  # the first page index (within the request) that is new
+        new_per_req = -(-seq // ps) - first_new
         need = int(new_per_req.sum())
         if num_new_pages is not None and num_new_pages != need:
             raise ValueError(f"num_new_pages is {num_new_pages} but the lengths need {need} new pages")
-        # Tokens that go on the prefix's partial page continue after last_loc.
-        partial = np.minimum(seq, first_new * ps) - pre > 0
-        self._check_last_loc(last[partial], pre[partial])
+        last = last_loc if isinstance(last_loc, torch.Tensor) else torch.as_tensor(np.asarray(last_loc))
+        if last.numel() and (last.is_floating_point() or last.is_complex()):
+            raise ValueError(f"last_loc must hold integers, got dtype {last.dtype}")
+        if self.debug:  # tokens on the prefix's partial page continue after last_loc
+            partial = np.minimum(seq, first_new * ps) - pre > 0
+            self._check_last_loc(_ints(last, "last_loc")[partial], pre[partial])
         pages = self._take(need)
         if pages is None:
             return None
         req = np.repeat(np.arange(len(seq)), ext)
-        start = np.cumsum(ext) - ext
-        k = np.arange(int(ext.sum()), dtype=np.int64) - start[req]  # position within this extend
-        pos = pre[req] + k  # position within the request's sequence
-        page_start = np.cumsum(new_per_req) - new_per_req
+        k = np.arange(int(ext.sum()), dtype=np.int64) - (np.cumsum(ext) - ext)[req]  # position in this extend
+        pos = pre[req] + k  # position in the request's sequence
         on_new = pos >= first_new[req] * ps
-        out = last[req] + 1 + k
-        slot = page_start[req] + pos // ps - first_new[req]
-        out[on_new] = pages[slot[on_new]] * ps + pos[on_new] % ps
-        return self._to_device(out)
-
-    def alloc_decode(self, seq_lens: IntsLike, seq_lens_cpu: IntsLike, last_loc: IntsLike) -> torch.Tensor | None:
-        """One slot per request whose length grows to ``seq_lens[i]``.
-
-        The slot after ``last_loc[i]`` while the last page has room, else the
-        first token of a new page (new pages in request order). ``None`` (and
-        nothing changed) when the new pages are not there.
-        """
-        self._check_open()
-        seq, last = _ints(seq_lens_cpu, "seq_lens_cpu"), _ints(last_loc, "last_loc")
-        if not len(seq) == len(last) == len(seq_lens):
-            raise ValueError(f"batch sizes differ: seq_lens {len(seq_lens)}, last_loc {len(last)}")
-        if (seq < 1).any():
-            raise ValueError("alloc_decode needs seq_lens >= 1 (the length after this token)")
-        ps = self.page_size
-        new = _ceil_div(seq, ps) != _ceil_div(seq - 1, ps)
-        self._check_last_loc(last[~new], seq[~new] - 1)
-        pages = self._take(int(new.sum()))
-        if pages is None:
-            return None
-        out = last + 1
-        out[new] = pages * ps
-        return self._to_device(out)
+        slot = (np.cumsum(new_per_req) - new_per_req)[req] + pos // ps - first_new[req]
+        base = 1 + k  # continuation slots: last_loc[req] + 1 + k, the last_loc part added on the device
+        base[on_new] = pages[slot[on_new]] * ps + pos[on_new] % ps
+        if on_new.all():
+            return self._to_device(base)
+        dev = self._to_device(np.stack((base, req, ~on_new)))  # one host-to-device copy
+        last = last.to(device=dev.device, dtype=torch.int64)
+        return dev[0] + torch.where(dev[2] != 0, last[dev[1]], 0)
 
     def _check_last_loc(self, last: Ids, pre: Ids) -> None:
-        """A partial page is continued only after a held slot at the matching offset."""
+        """A partial page is continued only after a held slot at the matching offset (debug)."""
         if not last.size:
             return
         ps = self.page_size
         bad = ((last + 1) % ps != pre % ps) | (last < ps) | (last >= self._state.size * ps)
         if not bad.any():
-            bad = self._state[last // ps] != _HELD
+            bad = ~self._held_mask()[last // ps]
         if bad.any():
-            raise ValueError(
-                f"last_loc {last[bad][:8].tolist()} is not a held slot at offset (prefix_len - 1) % "
-                f"page_size of its page for prefix lengths {pre[bad][:8].tolist()}"
-            )
+            raise ValueError(f"last_loc {last[bad][:8].tolist()} is not a held slot at offset (prefix_len - 1) % "
+                             f"page_size of its page for prefix lengths {pre[bad][:8].tolist()}")
 
     def _take(self, n: int) -> Ids | None:
-        """``n`` page ids, all or nothing: deferred pages first, then the space."""
-        reuse = min(n, int(self._deferred.size))
+        """``n`` page ids, all or nothing: pending pages (oldest first), then the space."""
+        reuse = min(n, int(self._pending.size))
         fresh: Ids = np.empty(0, dtype=np.int64)
         if n > reuse:
-            try:
-                fresh = self.space.alloc(n - reuse)
-            except PoolExhausted:
+            got = self._alloc_space(n - reuse, n)
+            if got is None:
                 return None
-        pages = np.concatenate((self._deferred[:reuse], fresh))
-        self._deferred = self._deferred[reuse:]
-        self._journal(pages)
-        self._state[pages] = _HELD
+            fresh = got
+        pages = np.concatenate((self._pending[:reuse], fresh))
+        self._pending = self._pending[reuse:]
+        self._aged = max(0, self._aged - reuse)
+        if self._backup_live:
+            self._state[pages] = np.where(self._state[pages] == _KEPT, _HELD, _NEW)
+            self._since.append(pages)
+        else:
+            self._state[pages] = _HELD
         return pages
+
+    def _alloc_space(self, m: int, n: int) -> Ids | None:
+        """``m`` blocks of the space, waiting (bounded) when only the pool budget is short."""
+        deadline: float | None = None
+        try:
+            while True:
+                try:
+                    return self.space.alloc(m)
+                except PoolExhausted:
+                    # SGLang's own allocator misses too when n exceeds the pages it does not hold.
+                    if self.shortage_wait_s <= 0 or n > self.num_pages - int(self._held_mask().sum()):
+                        return None
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.shortage_wait_s
+                    if self.space.pool is not None:
+                        self.space.report_waiting(1)  # the vLLM plugin gives cached pages back for this
+                if now >= deadline:
+                    return None
+                select.select([self.space.wakeup_fd], [], [], min(deadline - now, _POLL_S))
+                self.space.drain_wakeups()
+        finally:
+            if deadline is not None and self.space.pool is not None:
+                self.space.report_waiting(0)
 
     # -- free ----------------------------------------------------------------
     def free(self, free_index: IntsLike) -> None:
-        """Free the pages of these token indices (inside a free group: at its end).
+        """Make the pages of these token indices pending (inside a free group: at its end).
 
         Raises :class:`kvpool.InvalidBlocks` and frees nothing for a token of
-        the padding page, out of range, not allocated (double free) or, with
-        ``page_size == 1``, repeated in the batch. With ``page_size > 1``
-        several tokens of one page free it once, as in SGLang.
+        the padding page, out of range, not allocated (double free) or, at
+        ``page_size == 1``, repeated; at ``page_size > 1`` several tokens of
+        one page free it once, as in SGLang.
         """
         self._check_open()
-        pages = self._pages_of(free_index)
+        pages = self._page_ids(free_index)
         if pages.size == 0:
             return
         if self.free_group is not None:
@@ -399,69 +434,79 @@ class KVPoolTokenAllocator:
             return
         self._free_pages(pages)
 
+    def free_full(self, free_index: IntsLike) -> None:
+        """SGLang's hybrid-SWA hook; a single pool has no SWA peer, so a plain :meth:`free`."""
+        self.free(free_index)
+
+    def free_segment(self, free_index: IntsLike, *, start_pos: int) -> None:
+        """Free one page-aligned slice of a request's KV row: a :meth:`free`."""
+        self.free_segments([(free_index, start_pos)])
+
+    def free_segments(self, segments: Iterable[tuple[IntsLike, int]]) -> None:
+        """Several :meth:`free_segment` calls as one :meth:`free` (all or nothing)."""
+        parts = [np.empty(0, dtype=np.int64)]
+        for free_index, start_pos in segments:
+            if start_pos % self.page_size:
+                raise ValueError(f"free_segment start {start_pos} is not aligned to page_size {self.page_size}")
+            parts.append(_ints(free_index, "token indices", InvalidBlocks))
+        self.free(np.concatenate(parts))
+
     def free_group_begin(self) -> None:
-        """Collect frees until :meth:`free_group_end` (one space call for the group)."""
+        """Collect frees until :meth:`free_group_end` (one batch for the group)."""
         self._check_open()
         if self.free_group is not None:
             raise RuntimeError("free groups cannot be nested: call free_group_end() first")
         self.free_group = []
 
     def free_group_end(self) -> None:
-        """Apply the group's frees as one batch; a bad one fails the whole group."""
-        pending, self.free_group = self.free_group, None
-        if not pending:
+        """Apply the group's frees as one batch; pages touched by several calls are freed once
+        (``page_size > 1``, as SGLang's ``free(torch.cat(group))``).
+
+        A bad id raises :class:`kvpool.InvalidBlocks` and changes nothing: the
+        group stays open with its frees, so none of the good ones is lost.
+        """
+        if not self.free_group:
+            self.free_group = None
             return
         self._check_open()
-        pages = np.concatenate(pending)
-        vals, counts = np.unique(pages, return_counts=True)
-        if vals.size != pages.size:
-            twice = vals[counts > 1][:8].tolist()
-            raise InvalidBlocks(f"pages {twice} are freed by two calls of one free group; nothing was freed", twice)
-        self._free_pages(vals)
+        self._free_pages(self._unique(np.concatenate(self.free_group), "by two calls of one free group"))
+        self.free_group = None
 
-    def _pages_of(self, free_index: IntsLike) -> Ids:
-        """Validated unique page ids of a batch of token indices (a copy: groups keep it)."""
-        arr = free_index.detach().cpu().numpy() if isinstance(free_index, torch.Tensor) else np.asarray(free_index)
-        if arr.size == 0:
-            return np.empty(0, dtype=np.int64)
-        if arr.dtype.kind not in "iu":
-            raise InvalidBlocks(f"token indices must be integers, got dtype {arr.dtype}")
-        tokens = arr.reshape(-1).astype(np.int64)
+    def _page_ids(self, free_index: IntsLike) -> Ids:
+        """Validated unique page ids of a batch of token indices."""
+        tokens = _ints(free_index, "token indices", InvalidBlocks)
+        if tokens.size == 0:
+            return tokens
         ps, end = self.page_size, self._state.size * self.page_size
         bad = (tokens < ps) | (tokens >= end)
         if bad.any():
-            raise InvalidBlocks(
-                f"token indices {tokens[bad][:8].tolist()} are outside [{ps}, {end}) "
-                f"(page 0 is SGLang's padding page)", tokens[bad][:8].tolist(),
-            )
-        pages = np.unique(tokens // ps)
-        if ps == 1 and pages.size != tokens.size:
-            vals, counts = np.unique(tokens, return_counts=True)
+            raise InvalidBlocks(f"token indices {tokens[bad][:8].tolist()} are outside [{ps}, {end}) (page 0 is "
+                                "SGLang's padding page)", tokens[bad][:8].tolist())
+        return self._unique(tokens // ps, "twice in one batch")
+
+    def _unique(self, pages: Ids, how: str) -> Ids:
+        """Unique page ids; at ``page_size == 1`` a repeat is a double free (SGLang's token
+        allocator would put the slot in its free list twice)."""
+        unique = np.unique(pages)
+        if self.page_size == 1 and unique.size != pages.size:
+            vals, counts = np.unique(pages, return_counts=True)
             twice = vals[counts > 1][:8].tolist()
-            raise InvalidBlocks(f"token indices {twice} are freed twice in one batch; nothing was freed", twice)
-        return pages
+            raise InvalidBlocks(f"token indices {twice} are freed {how}; nothing was freed", twice)
+        return unique
 
     def _free_pages(self, pages: Ids) -> None:
-        """Free unique pages SGLang holds: to the space, or deferred under a live backup."""
-        not_held = pages[self._state[pages] != _HELD]
+        """Make unique pages SGLang holds pending (kept, if held at the live backup)."""
+        state = self._state[pages]
+        not_held = pages[(state != _HELD) & (state != _NEW)]
         if not_held.size:
             bad = not_held[:8].tolist()
             raise InvalidBlocks(f"pages {bad} are not allocated (double free?); nothing was freed", bad)
-        if self._backup_live:
-            self._journal(pages)
-            keep = self._was_held[pages]
-        else:
-            keep = np.zeros(pages.size, dtype=bool)
-        give = pages[~keep]
-        if give.size:
-            self.space.free(give)
-        self._state[give] = _FREE
-        self._state[pages[keep]] = _DEFERRED
-        self._deferred = np.concatenate((self._deferred, pages[keep]))
+        self._state[pages] = np.where(state == _HELD, _KEPT, _PENDING) if self._backup_live else _PENDING
+        self._pending = np.concatenate((self._pending, pages))
 
     # -- backup / restore ------------------------------------------------------
     def backup_state(self) -> AllocatorState:
-        """Snapshot the allocation for :meth:`restore_state`; supersedes an earlier snapshot."""
+        """Snapshot the allocation for one :meth:`restore_state`; ends an earlier backup."""
         self._check_open()
         self._end_backup()
         self._generation += 1
@@ -469,71 +514,66 @@ class KVPoolTokenAllocator:
         return AllocatorState(self._uid, self._generation)
 
     def restore_state(self, state: AllocatorState) -> None:
-        """Put back exactly the pages held at ``state``'s backup.
+        """Put back exactly the pages held at ``state``'s backup, and end it.
 
-        Pages allocated since are freed, pages freed since are held again.
-        Raises ``ValueError`` (changing nothing) for a state that is not this
-        allocator's live backup.
+        Pages allocated since become pending (in the space until the second
+        :meth:`flush`: EAGLE writes draft KV into them next), pages freed since
+        are held again. ``ValueError`` (nothing changed) for a state that is
+        not this allocator's live backup, e.g. one restored already.
         """
         self._check_open()
         if not isinstance(state, AllocatorState) or state.owner != self._uid:
             raise ValueError(f"{state!r} is not a backup of this allocator")
         if not self._backup_live or state.generation != self._generation:
-            raise ValueError(
-                f"backup {state.generation} is no longer restorable: a later backup_state(), clear() or "
-                "discard_backup() ended it (one backup is live at a time)"
-            )
-        if not self._touched_list:
+            raise ValueError(f"backup {state.generation} is no longer restorable: it was restored already, or a "
+                             "later backup_state(), flush() or clear() ended it (a backup is restored at most once)")
+        self._end_backup(restore=True)
+
+    def _end_backup(self, restore: bool = False) -> None:
+        """Turn the live backup's marks into plain states (the table in the module essay)."""
+        if not self._backup_live:
             return
-        pages = np.concatenate(self._touched_list)
-        now = self._state[pages]
-        assert not (~self._was_held[pages] & (now == _DEFERRED)).any(), "deferred page not held at backup"
-        assert not (self._was_held[pages] & (now == _FREE)).any(), "page held at backup went back to the space"
-        give = pages[(now == _HELD) & ~self._was_held[pages]]
-        if give.size:
-            self.space.free(give)
-        self._state[give] = _FREE
-        self._state[pages[now == _DEFERRED]] = _HELD
-        self._deferred = np.empty(0, dtype=np.int64)
-        self._touched[pages] = False
-        self._touched_list = []
-
-    def discard_backup(self) -> None:
-        """End the live backup without restoring it: deferred frees go to the space now."""
-        self._check_open()
-        self._end_backup()
-
-    def _journal(self, pages: Ids) -> None:
-        """Record the backup-time state of pages changing for the first time since the backup."""
-        if not self._backup_live or not pages.size:
-            return
-        first = pages[~self._touched[pages]]
-        if first.size:
-            self._touched[first] = True
-            self._was_held[first] = self._state[first] == _HELD
-            self._touched_list.append(first)
-
-    def _end_backup(self) -> None:
-        if self._deferred.size:
-            self.space.free(self._deferred)
-            self._state[self._deferred] = _FREE
-            self._deferred = np.empty(0, dtype=np.int64)
-        if self._touched_list:
-            self._touched[np.concatenate(self._touched_list)] = False
-            self._touched_list = []
+        kept = self._state[self._pending] == _KEPT
+        assert not kept[: self._aged].any(), "kept pages are young: a flush ends the backup before aging"
+        since = np.unique(np.concatenate(self._since)) if self._since else np.empty(0, dtype=np.int64)
+        new = since[self._state[since] == _NEW]
+        if restore:
+            self._state[self._pending[kept]] = _HELD
+            self._state[new] = _PENDING
+            self._pending = np.concatenate((self._pending[~kept], new))
+        else:
+            self._state[self._pending[kept]] = _PENDING
+            self._state[new] = _HELD
+        self._since = []
         self._backup_live = False
 
-    # -- whole-allocator operations ------------------------------------------------
+    # -- safe points -------------------------------------------------------------
+    def flush(self) -> int:
+        """A safe point: call at the end of every scheduler loop iteration, idle or not.
+
+        Gives the space the pages already pending at the previous flush (one
+        step after their free) and ends a live backup; returns how many.
+        """
+        self._check_open()
+        self._end_backup()
+        old = self._pending[: self._aged]
+        if old.size:
+            self.space.free(old)
+            self._state[old] = _FREE
+        self._pending = self._pending[self._aged :]
+        self._aged = int(self._pending.size)
+        return int(old.size)
+
     def clear(self) -> None:
-        """Return every page to the space, drop the free group and any backup."""
+        """Return every page to the space now; drop the free group and any backup."""
         self._check_open()
         pages = np.flatnonzero(self._state != _FREE).astype(np.int64)
         if pages.size:
             self.space.free(pages)
         self._state[:] = _FREE
-        self._deferred = np.empty(0, dtype=np.int64)
-        self._touched[:] = False
-        self._touched_list = []
+        self._pending = np.empty(0, dtype=np.int64)
+        self._aged = 0
+        self._since = []
         self._backup_live = False
         self._generation += 1
         self.free_group = None
@@ -550,13 +590,7 @@ class KVPoolTokenAllocator:
         blocks = self.space.view(layer, buffer, self.dtype, (self.page_size, *token_shape))
         return blocks.view(g.blocks * self.page_size, *token_shape)
 
-    # -- helpers ---------------------------------------------------------------
-    def _tokens(self, pages: Ids) -> Ids:
-        if self.page_size == 1:
-            return pages
-        offsets = np.arange(self.page_size, dtype=np.int64)
-        return (pages[:, None] * self.page_size + offsets).reshape(-1)
-
+    # -- helpers and lifecycle ---------------------------------------------------
     def _to_device(self, ids: Ids) -> torch.Tensor:
         return torch.from_numpy(ids).to(self.device)
 
@@ -564,7 +598,6 @@ class KVPoolTokenAllocator:
         if self._closed:
             raise PoolClosed("the SGLang allocator is closed")
 
-    # -- lifecycle ---------------------------------------------------------------
     @property
     def closed(self) -> bool:
         return self._closed
@@ -590,8 +623,5 @@ class KVPoolTokenAllocator:
     def __repr__(self) -> str:
         if self._closed:
             return "<KVPoolTokenAllocator closed>"
-        held = int((self._state == _HELD).sum())
-        return (
-            f"<KVPoolTokenAllocator {held}/{self.num_pages} pages of {self.page_size} tokens held, "
-            f"{self._deferred.size} deferred, {self.space!r}>"
-        )
+        return (f"<KVPoolTokenAllocator {int(self._held_mask().sum())}/{self.num_pages} pages of "
+                f"{self.page_size} tokens held, {self._pending.size} pending, {self.space!r}>")

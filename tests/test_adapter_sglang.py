@@ -1,14 +1,20 @@
 """kvpool.adapters.sglang: SGLang's token-to-KV allocator contract over a kvpool space.
 
 SGLang itself is not installed (CUDA-only kernels); these are contract tests
-of sglang/srt/mem_cache/allocator.py's behaviour: padding page 0, whole-page
-allocs, None on a miss, free groups, backup/restore, and the extend/decode
-slot layout compared with a pure-Python reference of SGLang's algorithm.
+of its allocator's behaviour (sglang/srt/mem_cache/allocator.py and the
+allocator/ package): padding page 0, whole-page allocs, None on a miss, free
+groups, backup/restore, and the extend/decode slot layout compared with a
+pure-Python reference of SGLang's algorithm; plus what this adapter adds on
+top: freed pages stay in the space until the second flush(), bounded waits
+for pool budget, no host copy of last_loc.
 """
 
 from __future__ import annotations
 
 import random
+import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool import Geometry, InvalidBlocks, KVSpace, PoolClosed
+from kvpool import Geometry, InvalidBlocks, KVSpace, Pool, PoolClosed
 from kvpool.adapters.sglang import AllocatorState, KVPoolTokenAllocator
 
 from .conftest import KiB, snapshot
@@ -33,8 +39,8 @@ def make_alloc() -> Iterator[MakeAlloc]:
         if "space" not in kw and "geometry" not in kw:
             kw.setdefault("token_bytes", 4 * KiB // page_size)  # one SGLang page = one 4 KiB block
             kw.setdefault("page_bytes", 16 * KiB)
-        kw.setdefault("reserve", (0, 0))
-        kw.setdefault("reserve_thread", False)
+            kw.setdefault("reserve", (0, 0))
+            kw.setdefault("reserve_thread", False)
         a = KVPoolTokenAllocator(NUM_PAGES * page_size, page_size, dtype=torch.float16, **kw)
         made.append(a)
         return a
@@ -42,6 +48,13 @@ def make_alloc() -> Iterator[MakeAlloc]:
     yield make
     for a in made:
         a.close()
+
+
+@pytest.fixture
+def pool_name() -> Iterator[str]:
+    name = f"test-sglang-{uuid.uuid4().hex[:10]}"
+    yield name
+    Pool.remove(name)
 
 
 page_sizes = pytest.mark.parametrize("ps", [1, 4])
@@ -52,11 +65,21 @@ def i64(values: list[int]) -> torch.Tensor:
 
 
 def state_of(a: KVPoolTokenAllocator) -> tuple[object, ...]:
-    return (snapshot(a.space), a.held_pages().tolist(), a.available_size())
+    """Everything a refused call must leave unchanged: the space, every page's
+    state (held / pending / marked by a live backup), the pending order and age,
+    the backup and the open free group."""
+    group = None if a.free_group is None else [g.tolist() for g in a.free_group]
+    return (snapshot(a.space), a.held_pages().tolist(), a.available_size(), a._state.tobytes(),
+            a._pending.tolist(), a._aged, a._backup_live, a._generation, group)
 
 
 def pages_of(tokens: torch.Tensor, ps: int) -> set[int]:
     return set((tokens // ps).tolist())
+
+
+def used(a: KVPoolTokenAllocator) -> int:
+    """Blocks held in the space (the padding block is not counted)."""
+    return int(a.space.stats().used_blocks)
 
 
 # -- alloc -------------------------------------------------------------------------
@@ -82,16 +105,17 @@ def test_alloc_hands_out_unique_int64_whole_pages_and_never_the_padding_page(mak
 
 
 @page_sizes
-def test_alloc_beyond_capacity_returns_none_and_changes_nothing(make_alloc: MakeAlloc, ps: int) -> None:
-    a = make_alloc(ps)
+def test_alloc_beyond_capacity_returns_none_at_once_and_changes_nothing(make_alloc: MakeAlloc, ps: int) -> None:
+    a = make_alloc(ps)  # shortage_wait_s is 5 s: a miss SGLang's own allocator has too must not wait
     assert a.alloc(10 * ps) is not None
     before = state_of(a)
+    t0 = time.monotonic()
     assert a.alloc(a.available_size() + ps) is None
     assert state_of(a) == before
     assert a.alloc(a.available_size()) is not None and a.available_size() == 0
     before = state_of(a)
     assert a.alloc(ps) is None
-    assert state_of(a) == before
+    assert state_of(a) == before and time.monotonic() - t0 < 1
 
 
 def test_paged_alloc_refuses_a_partial_page_and_zero_is_empty(make_alloc: MakeAlloc) -> None:
@@ -179,18 +203,120 @@ def test_a_free_group_applies_its_frees_only_at_the_end(make_alloc: MakeAlloc, p
     a.free_group_end()  # no group: nothing to do
 
 
+def test_free_group_end_frees_a_page_two_calls_of_the_group_touched_once(make_alloc: MakeAlloc) -> None:
+    # Regression: SGLang's free_group_end is free(torch.cat(group)) and its paged free
+    # dedups pages, so a request's KV freed in two slices split mid-page is legal; this
+    # raised InvalidBlocks after clearing the group, losing every free of the group.
+    a = make_alloc(4)
+    row = a.alloc(12)
+    assert row is not None
+    a.free_group_begin()
+    a.free(row[:6])  # pages 0 and 1 of the row
+    a.free(row[6:])  # page 1 again, and 2
+    a.free_group_end()
+    assert a.held_pages().numel() == 0 and a.free_group is None
+    assert a.pending_pages().tolist() == sorted(pages_of(row, 4))
+
+
 @page_sizes
-def test_a_bad_free_in_a_group_fails_the_whole_group(make_alloc: MakeAlloc, ps: int) -> None:
+def test_a_bad_free_in_a_group_raises_and_keeps_the_group(make_alloc: MakeAlloc, ps: int) -> None:
+    # Regression: the group was cleared before the batch was checked, so one bad id
+    # lost every good free of the group.
     a = make_alloc(ps)
     x = a.alloc(4 * ps)
     assert x is not None
-    before = state_of(a)
+    a.free(x[3 * ps :])
     a.free_group_begin()
     a.free(x[:ps])
-    a.free(x[:ps])  # the same page again: only the batch at the end can tell
-    with pytest.raises(InvalidBlocks):
+    a.free(x[ps : 3 * ps])
+    a.free(x[3 * ps :])  # freed already: only the batch at the end can tell
+    before = state_of(a)
+    with pytest.raises(InvalidBlocks, match="not allocated"):
+        a.free_group_end()
+    assert state_of(a) == before  # nothing freed, the group still open with its frees
+    assert a.free_group is not None
+    a.free_group.pop()
+    a.free_group_end()
+    assert a.held_pages().numel() == 0 and a.free_group is None
+
+
+def test_a_token_freed_by_two_calls_of_a_group_is_a_double_free_at_page_size_one(make_alloc: MakeAlloc) -> None:
+    a = make_alloc(1)  # SGLang's token allocator would put the slot in its free list twice
+    x = a.alloc(3)
+    assert x is not None
+    a.free_group_begin()
+    a.free(x[:2])
+    a.free(x[1:])
+    before = state_of(a)
+    with pytest.raises(InvalidBlocks, match="two calls"):
         a.free_group_end()
     assert state_of(a) == before
+
+
+@page_sizes
+def test_free_full_free_segment_and_free_segments_are_frees(make_alloc: MakeAlloc, ps: int) -> None:
+    a = make_alloc(ps)
+    x = a.alloc(6 * ps)
+    assert x is not None
+    a.free_full(x[:ps])
+    a.free_segment(x[ps : 2 * ps], start_pos=ps)
+    if ps > 1:
+        with pytest.raises(ValueError, match="aligned"):
+            a.free_segment(x[2 * ps : 3 * ps], start_pos=1)
+        with pytest.raises(ValueError, match="aligned"):
+            a.free_segments([(x[2 * ps : 3 * ps], 2 * ps), (x[3 * ps :], 1)])
+    before = state_of(a)
+    with pytest.raises(InvalidBlocks):  # all or nothing: the first segment is not freed either
+        a.free_segments([(x[2 * ps : 3 * ps], 2 * ps), (x[:ps], 0)])
+    assert state_of(a) == before
+    a.free_segments([(x[2 * ps : 4 * ps], 2 * ps), (x[4 * ps :], 4 * ps)])
+    assert a.held_pages().numel() == 0 and a.available_size() == NUM_PAGES * ps
+
+
+@page_sizes
+def test_get_all_free_pages_is_every_page_sglang_does_not_hold(make_alloc: MakeAlloc, ps: int) -> None:
+    a = make_alloc(ps)
+    x = a.alloc(5 * ps)
+    assert x is not None
+    a.free(x[:ps])  # pending pages are free to SGLang
+    free = a.get_all_free_pages()
+    assert free.dtype == torch.int64
+    assert free.tolist() == sorted(set(range(1, NUM_PAGES + 1)) - pages_of(x[ps:], ps))
+
+
+# -- pages stay in the space until the second flush ------------------------------------
+@page_sizes
+def test_overlap_free_keeps_pages_in_the_space_until_the_second_flush(make_alloc: MakeAlloc, ps: int) -> None:
+    # Regression: SGLang's overlap scheduler frees a finished request's KV while the next
+    # batch, which may still hold the request, runs; free() gave the pages to the space at
+    # once, so they could be released under the kernel.
+    a = make_alloc(ps)
+    x = a.alloc(20 * ps)
+    assert x is not None
+    k = a.token_view(0, 0, (a.space.geometry.block_bytes // ps // 2,))
+    blocks = used(a)
+    a.free(x)
+    assert used(a) == blocks and a.available_size() == NUM_PAGES * ps  # logically free at once
+    committed = a.space.allocated_bytes()
+    k[x] = 1.0  # the running batch still writes its KV: the memory must be there
+    assert a.space.allocated_bytes() == committed
+    assert a.flush() == 0 and used(a) == blocks  # the step that freed them ends
+    assert a.flush() == 20 and used(a) == 0  # one step later: back to the space
+    assert a.pending_pages().numel() == 0 and a.available_size() == NUM_PAGES * ps
+
+
+@page_sizes
+def test_an_alloc_reuses_pending_pages_oldest_first(make_alloc: MakeAlloc, ps: int) -> None:
+    a = make_alloc(ps)
+    x = a.alloc(6 * ps)
+    assert x is not None
+    a.free(x[: 2 * ps])
+    a.flush()  # x[:2] aged
+    a.free(x[2 * ps : 4 * ps])
+    y = a.alloc(3 * ps)
+    assert y is not None and pages_of(y, ps) == pages_of(x[: 3 * ps], ps)
+    assert a.flush() == 0  # the aged pages were taken; x[3] is young
+    assert a.flush() == 1 and a.pending_pages().numel() == 0
 
 
 # -- backup / restore ----------------------------------------------------------------
@@ -199,7 +325,7 @@ def test_restore_undoes_allocs_and_frees_since_the_backup(make_alloc: MakeAlloc,
     a = make_alloc(ps)
     kept = a.alloc(6 * ps)
     assert kept is not None
-    before = state_of(a)
+    held = a.held_pages().tolist()
     state = a.backup_state()
     draft = a.alloc(9 * ps)
     assert draft is not None
@@ -208,11 +334,62 @@ def test_restore_undoes_allocs_and_frees_since_the_backup(make_alloc: MakeAlloc,
     more = a.alloc(4 * ps)
     assert more is not None
     a.restore_state(state)
-    assert state_of(a) == before
-    # a restored state stays restorable, as SGLang's free-list snapshot does
-    assert a.alloc(5 * ps) is not None
+    assert a.held_pages().tolist() == held and a.available_size() == (NUM_PAGES - 6) * ps
+
+
+@page_sizes
+def test_a_restored_backup_cannot_be_restored_again(make_alloc: MakeAlloc, ps: int) -> None:
+    # Regression: a restored backup stayed live, so frees of pages held at backup time
+    # were deferred until the next backup_state(): forever on a server gone idle.
+    a = make_alloc(ps)
+    x = a.alloc(4 * ps)
+    assert x is not None
+    state = a.backup_state()
+    assert a.alloc(2 * ps) is not None
     a.restore_state(state)
+    before = state_of(a)
+    with pytest.raises(ValueError, match="restored already"):
+        a.restore_state(state)
     assert state_of(a) == before
+
+
+@page_sizes
+def test_an_idle_server_gives_back_pages_freed_after_an_eagle_step(make_alloc: MakeAlloc, ps: int) -> None:
+    # Regression (as above): the pages of a request that finishes after EAGLE's
+    # backup/restore must reach the space without another backup_state().
+    a = make_alloc(ps)
+    x = a.alloc(10 * ps)
+    assert x is not None
+    state = a.backup_state()
+    assert a.alloc(3 * ps) is not None  # draft slots
+    a.restore_state(state)
+    a.free(x)  # the request finishes; the server then goes idle
+    a.flush()
+    a.flush()
+    assert used(a) == 0 and a.pending_pages().numel() == 0 and a.available_size() == NUM_PAGES * ps
+
+
+@page_sizes
+def test_restore_keeps_draft_pages_in_the_space_while_eagle_writes_them(make_alloc: MakeAlloc, ps: int) -> None:
+    # Regression: EAGLE's _draft_preprocess_decode calls restore_state() before the draft
+    # forward writes draft KV into batch.out_cache_loc; restore gave those pages to the
+    # space, so the writes landed in released memory (behind the ledger on the CPU, a
+    # fault on CUDA).
+    a = make_alloc(ps)
+    assert a.alloc(3 * ps) is not None
+    blocks = used(a)
+    state = a.backup_state()
+    draft = a.alloc(20 * ps)
+    assert draft is not None
+    a.restore_state(state)
+    assert used(a) == blocks + 20 and a.available_size() == (NUM_PAGES - 3) * ps
+    assert a.pending_pages().tolist() == sorted(pages_of(draft, ps))
+    k = a.token_view(0, 1, (a.space.geometry.block_bytes // ps // 2,))
+    committed = a.space.allocated_bytes()
+    k[draft] = 2.0  # the draft forward runs after the restore
+    assert a.space.allocated_bytes() == committed
+    a.flush()
+    assert a.flush() == 20 and used(a) == blocks
 
 
 @page_sizes
@@ -222,11 +399,11 @@ def test_a_page_freed_after_the_backup_is_held_again_by_restore(make_alloc: Make
     assert x is not None
     page = int(x[0]) // ps
     state = a.backup_state()
-    used = a.space.stats().used_blocks
+    blocks = used(a)
     a.free(x[:ps])
     assert page not in a.held_pages().tolist()
     assert a.available_size() == (NUM_PAGES - 1) * ps
-    assert a.space.stats().used_blocks == used  # kept in the space: it may come back
+    assert used(a) == blocks  # kept in the space: it may come back
     a.restore_state(state)
     assert page in a.held_pages().tolist() and a.available_size() == (NUM_PAGES - 2) * ps
     a.free(x[:ps])  # held again, so freeable again
@@ -234,12 +411,12 @@ def test_a_page_freed_after_the_backup_is_held_again_by_restore(make_alloc: Make
 
 
 @page_sizes
-def test_freeing_a_deferred_page_again_is_a_double_free(make_alloc: MakeAlloc, ps: int) -> None:
+def test_freeing_a_kept_page_again_is_a_double_free(make_alloc: MakeAlloc, ps: int) -> None:
     a = make_alloc(ps)
     x = a.alloc(3 * ps)
     assert x is not None
     a.backup_state()
-    a.free(x[:ps])  # deferred: still held in the space, so only the adapter can tell
+    a.free(x[:ps])  # kept: still held in the space, so only the adapter can tell
     before = state_of(a)
     with pytest.raises(InvalidBlocks, match="not allocated"):
         a.free(x[:ps])
@@ -249,66 +426,63 @@ def test_freeing_a_deferred_page_again_is_a_double_free(make_alloc: MakeAlloc, p
 
 
 @page_sizes
-def test_an_alloc_that_needs_a_deferred_page_takes_it_and_restore_still_holds(
+def test_an_alloc_that_needs_a_kept_page_takes_it_and_restore_still_holds(
     make_alloc: MakeAlloc, ps: int
 ) -> None:
     a = make_alloc(ps)
     full = a.alloc(NUM_PAGES * ps)
     assert full is not None
-    before = state_of(a)
+    held = a.held_pages().tolist()
     state = a.backup_state()
     a.free(full[:ps])
-    again = a.alloc(ps)  # the only free page is the deferred one
+    again = a.alloc(ps)  # the only free page is the kept one
     assert again is not None and pages_of(again, ps) == pages_of(full[:ps], ps)
     assert a.alloc(ps) is None
+    a.free(again)
     a.restore_state(state)
-    assert state_of(a) == before
+    assert a.held_pages().tolist() == held and a.pending_pages().numel() == 0
 
 
 @page_sizes
-def test_restore_returns_pages_allocated_since_the_backup_to_the_space(make_alloc: MakeAlloc, ps: int) -> None:
+def test_a_page_pending_at_the_backup_and_taken_after_it_is_pending_again_after_restore(
+    make_alloc: MakeAlloc, ps: int
+) -> None:
     a = make_alloc(ps)
-    assert a.alloc(3 * ps) is not None
-    used = a.space.stats().used_blocks
+    x = a.alloc(4 * ps)
+    assert x is not None
+    a.free(x[:ps])  # pending: free to SGLang at backup time
     state = a.backup_state()
-    assert a.alloc(20 * ps) is not None
-    assert a.space.stats().used_blocks == used + 20
+    y = a.alloc(ps)
+    assert y is not None and pages_of(y, ps) == pages_of(x[:ps], ps)
     a.restore_state(state)
-    assert a.space.stats().used_blocks == used
+    assert a.held_pages().tolist() == sorted(pages_of(x[ps:], ps))
+    assert a.pending_pages().tolist() == sorted(pages_of(x[:ps], ps))
 
 
-def test_a_new_backup_supersedes_the_old_one(make_alloc: MakeAlloc) -> None:
+def test_a_new_backup_flush_or_clear_ends_the_live_one(make_alloc: MakeAlloc) -> None:
     a, other = make_alloc(4), make_alloc(4)
     x = a.alloc(8)
     assert x is not None
     old = a.backup_state()
-    a.free(x[:4])  # deferred under the old backup
-    used = a.space.stats().used_blocks
-    new = a.backup_state()
-    assert a.space.stats().used_blocks == used - 1  # the new backup returned it to the space
-    assert a.alloc(4) is not None
+    a.free(x[:4])  # kept under the old backup
+    draft = a.alloc(4)
+    assert draft is not None
+    new = a.backup_state()  # the old one ends: the kept page is plain pending, the draft held
+    assert a.held_pages().tolist() == sorted(pages_of(torch.cat((x[4:], draft)), 4))
     before = state_of(a)
     with pytest.raises(ValueError, match="no longer restorable"):
         a.restore_state(old)
     with pytest.raises(ValueError, match="not a backup of this allocator"):
         a.restore_state(other.backup_state())
     assert state_of(a) == before
+    a.free(draft)
     a.restore_state(new)
-    assert a.held_pages().tolist() == [int(x[4]) // 4]
-
-
-def test_discard_backup_gives_deferred_pages_back_and_ends_the_backup(make_alloc: MakeAlloc) -> None:
-    a = make_alloc(1)
-    x = a.alloc(3)
-    assert x is not None
-    state = a.backup_state()
-    a.free(x)
-    used = a.space.stats().used_blocks
-    a.discard_backup()
-    assert a.space.stats().used_blocks == used - 3
-    assert a.available_size() == NUM_PAGES
-    with pytest.raises(ValueError, match="no longer restorable"):
-        a.restore_state(state)
+    assert a.held_pages().tolist() == sorted(pages_of(torch.cat((x[4:], draft)), 4))
+    for end in (a.flush, a.clear):
+        state = a.backup_state()
+        end()
+        with pytest.raises(ValueError, match="no longer restorable"):
+            a.restore_state(state)
 
 
 # -- memory follows use -----------------------------------------------------------------
@@ -323,9 +497,13 @@ def test_committed_memory_follows_the_pages_sglang_holds(make_alloc: MakeAlloc, 
     grown = s.stats().committed_bytes
     assert grown > base and s.allocated_bytes() >= grown
     a.free(held[: 20 * ps])
+    a.flush()
+    a.flush()
     s.trim()
     assert base < s.stats().committed_bytes < grown
     a.free(held[20 * ps :])
+    a.flush()
+    a.flush()
     s.trim()
     assert s.stats().committed_bytes == base and s.allocated_bytes() == base
 
@@ -348,6 +526,49 @@ def test_token_view_writes_land_in_the_held_pages(make_alloc: MakeAlloc) -> None
     assert written == {(int(x) // 4, int(x) % 4) for x in held}
     assert (blocks[held // 4, held % 4] == 3.0).all()
     assert a.space.allocated_bytes() == committed  # held pages were committed already
+
+
+# -- shortages --------------------------------------------------------------------------
+def test_an_alloc_waits_while_another_engine_gives_the_pool_budget_back(
+    make_alloc: MakeAlloc, pool_name: str
+) -> None:
+    # Regression: SGLang admits work by available_size() and treats None from an alloc as
+    # a fatal out-of-memory; another engine taking the pool's budget in between killed it.
+    Pool(pool_name, capacity=6 * 32 * KiB)  # 6 kvpool pages of 2 x 16 KiB
+    a, b = make_alloc(4, pool=pool_name), make_alloc(4, pool=pool_name)  # one page each: padding
+    taken = a.alloc(a.available_size())
+    assert taken is not None and b.available_size() == 3 * 4  # the rest of b's padding page
+    b.shortage_wait_s = 0
+    before = state_of(b)
+    assert b.alloc(4 * 4) is None and state_of(b) == before  # no wait: None at once
+
+    def other_engine() -> None:
+        time.sleep(0.3)
+        a.free(taken)
+        a.flush()
+        a.flush()
+
+    b.shortage_wait_s = 5
+    t = threading.Thread(target=other_engine)
+    t0 = time.monotonic()
+    t.start()
+    try:
+        got = b.alloc(4 * 4)
+    finally:
+        t.join()
+    assert got is not None and 0.2 < time.monotonic() - t0 < 4
+    assert all(ten.waiting == 0 for ten in Pool(pool_name).tenants())  # no longer reported waiting
+
+
+def test_an_alloc_sglang_itself_could_not_serve_does_not_wait_for_the_pool(
+    make_alloc: MakeAlloc, pool_name: str
+) -> None:
+    Pool(pool_name, capacity=3 * 32 * KiB)
+    a = make_alloc(4, pool=pool_name)
+    assert a.alloc(a.available_size()) is not None
+    t0 = time.monotonic()
+    assert a.alloc(NUM_PAGES * 4) is None  # more than the pages SGLang does not hold
+    assert time.monotonic() - t0 < 1
 
 
 # -- extend / decode against SGLang's reference algorithm -----------------------------------
@@ -400,43 +621,58 @@ def check_against_reference(got: torch.Tensor, ref: Callable[[list[int]], list[i
     assert len(set(pages)) == n_pages and set(pages) == new_pages
 
 
+def record_rows(rows: list[list[int]], picked: list[int], pre: list[int], seq: list[int], got: torch.Tensor) -> None:
+    starts = np.cumsum([0] + [s - p for p, s in zip(pre, seq)])
+    for j, i in enumerate(picked):
+        rows[i] += got[starts[j] : starts[j + 1]].tolist()
+    rows += [got[starts[j] : starts[j + 1]].tolist() for j in range(len(picked), len(pre))]
+
+
+def try_extend(a: KVPoolTokenAllocator, rows: list[list[int]], picked: list[int], fresh: int, grow: Callable[[], int],
+               ps: int) -> tuple[list[int], list[int], torch.Tensor] | None:
+    """alloc_extend for rows ``picked`` plus ``fresh`` new requests; checked against the reference."""
+    pre = [len(rows[i]) for i in picked] + [0] * fresh
+    seq = [p + grow() for p in pre]
+    last = [rows[i][-1] if rows[i] else -1 for i in picked] + [-1] * fresh
+    need = sum(-(-s // ps) - -(-p // ps) for p, s in zip(pre, seq))
+    held_before, before = set(a.held_pages().tolist()), state_of(a)
+    got = a.alloc_extend(i64(pre), i64(pre), i64(seq), i64(seq), i64(last), sum(seq) - sum(pre))
+    if got is None:
+        assert need * ps > a.available_size() and state_of(a) == before
+        return None
+    assert got.dtype == torch.int64
+    check_against_reference(got, lambda pg: ref_alloc_extend(pre, seq, last, pg, ps), need,
+                            set(a.held_pages().tolist()) - held_before, ps)
+    return pre, seq, got
+
+
 @pytest.mark.parametrize("ps", [1, 4, 16])
-@pytest.mark.parametrize("seed", range(3))
-def test_extend_and_decode_match_sglangs_reference_on_random_batches(ps: int, seed: int) -> None:
+@pytest.mark.parametrize("seed", range(4))
+def test_random_steps_match_sglangs_reference_through_backups_groups_and_flushes(ps: int, seed: int) -> None:
+    """Extends and decodes checked against SGLang's layout, mixed with frees (some in
+    groups, split mid-page), EAGLE-style backup/draft/restore steps (some freeing a
+    request inside the backup, some abandoned) and flushes; after every step the rows
+    SGLang would hold are exactly the held pages, and held + pending is what the space holds."""
     rng = random.Random(seed)
     num_pages = 48
     with KVPoolTokenAllocator(num_pages * ps, ps, dtype=torch.bfloat16, token_bytes=4 * KiB // ps,
-                              page_bytes=16 * KiB, pool=None, reserve=(0, 0), reserve_thread=False) as a:
+                              page_bytes=16 * KiB, pool=None, reserve=(0, 0), reserve_thread=False,
+                              debug=True) as a:
         rows: list[list[int]] = []  # each live request's token slots, as SGLang's req_to_token
-        for _ in range(60):
-            held_before = set(a.held_pages().tolist())
-            step = rng.random() if a.available_size() > a.size // 4 else rng.random() * 1.3
-            if step < 0.45:
+        for _ in range(120):
+            step = rng.random() if a.available_size() > a.size // 4 else rng.random() * 1.2
+            if step < 0.3:
                 picked = rng.sample(range(len(rows)), k=min(len(rows), rng.randint(0, 3)))
-                fresh = rng.randint(0 if picked else 1, 2)
-                pre = [len(rows[i]) for i in picked] + [0] * fresh
-                seq = [p + rng.randint(0, 2 * ps + 1) for p in pre]
-                last = [rows[i][-1] if rows[i] else -1 for i in picked] + [-1] * fresh
-                need = sum(-(-s // ps) - -(-p // ps) for p, s in zip(pre, seq))
-                ext = sum(seq) - sum(pre)
-                before = state_of(a)
-                got = a.alloc_extend(i64(pre), i64(pre), i64(seq), i64(seq), i64(last), ext)
-                if got is None:
-                    assert need * ps > a.available_size() and state_of(a) == before
-                    continue
-                assert got.dtype == torch.int64
-                check_against_reference(got, lambda pg: ref_alloc_extend(pre, seq, last, pg, ps), need,
-                                        set(a.held_pages().tolist()) - held_before, ps)
-                starts = np.cumsum([0] + [s - p for p, s in zip(pre, seq)])
-                for j, i in enumerate(picked):
-                    rows[i] += got[starts[j] : starts[j + 1]].tolist()
-                rows += [got[starts[j] : starts[j + 1]].tolist() for j in range(len(picked), len(pre))]
-            elif step < 0.8 and rows:
+                done = try_extend(a, rows, picked, rng.randint(0 if picked else 1, 2),
+                                  lambda: rng.randint(0, 2 * ps + 1), ps)
+                if done is not None:
+                    record_rows(rows, picked, *done)
+            elif step < 0.5 and rows:
                 picked = [i for i in range(len(rows)) if rows[i] and rng.random() < 0.6]
                 seq = [len(rows[i]) + 1 for i in picked]
                 last = [rows[i][-1] for i in picked]
                 need = sum(1 for s in seq if (s - 1) % ps == 0)
-                before = state_of(a)
+                held_before, before = set(a.held_pages().tolist()), state_of(a)
                 got = a.alloc_decode(i64(seq), i64(seq), i64(last))
                 if got is None:
                     assert need * ps > a.available_size() and state_of(a) == before
@@ -445,12 +681,48 @@ def test_extend_and_decode_match_sglangs_reference_on_random_batches(ps: int, se
                                         set(a.held_pages().tolist()) - held_before, ps)
                 for j, i in enumerate(picked):
                     rows[i].append(int(got[j]))
-            elif rows:
-                done = rows.pop(rng.randrange(len(rows)))
-                a.free(torch.tensor(done, dtype=torch.int64))
+            elif step < 0.7 and rows:
+                grouped = rng.random() < 0.5
+                if grouped:
+                    a.free_group_begin()
+                for _ in range(rng.randint(1, 2) if grouped else 1):
+                    if rows:
+                        row = rows.pop(rng.randrange(len(rows)))
+                        cut = rng.randint(0, len(row)) if grouped else len(row)
+                        a.free(i64(row[:cut]))  # two slices of one row may share a page
+                        a.free(i64(row[cut:]))
+                if grouped:
+                    a.free_group_end()
+            elif step < 0.9 and rows:
+                held = a.held_pages().tolist()
+                state = a.backup_state()
+                gone = rows.pop(rng.randrange(len(rows))) if rng.random() < 0.4 else None
+                if gone is not None:
+                    a.free(i64(gone))  # held at the backup: restore holds it again
+                if gone is not None and rng.random() < 0.3:
+                    continue  # abandoned: the next backup or flush ends it, the request stays freed
+                picked = rng.sample(range(len(rows)), k=min(len(rows), rng.randint(1, 3)))
+                draft = try_extend(a, rows, [i for i in picked if rows[i]], 0, lambda: rng.randint(1, 3), ps)
+                a.restore_state(state)
+                if gone is not None:
+                    rows.append(gone)
+                assert a.held_pages().tolist() == held
+                if draft is not None:
+                    new_pages = pages_of(draft[2], ps) - set(held)
+                    assert new_pages <= set(a.pending_pages().tolist())
+            else:
+                a.flush()
             every = [x for r in rows for x in r]
             assert len(set(every)) == len(every) and min(every, default=ps) >= ps  # no slot twice, none padding
-            assert {x // ps for x in every} == set(a.held_pages().tolist())
+            held_now, pending = set(a.held_pages().tolist()), set(a.pending_pages().tolist())
+            assert {x // ps for x in every} == held_now and not held_now & pending
+            assert a.space.stats().used_blocks == len(held_now) + len(pending)
+            assert a.available_size() == (num_pages - len(held_now)) * ps
+        for r in rows:
+            a.free(i64(r))
+        a.flush()
+        a.flush()
+        assert a.space.stats().used_blocks == 0
 
 
 def test_extend_fills_the_prefix_page_then_new_pages(make_alloc: MakeAlloc) -> None:
@@ -480,8 +752,14 @@ def test_extend_and_decode_return_none_when_the_new_pages_are_missing(make_alloc
     assert one is not None and int(one[0]) % 4 == 0 and a.available_size() == 0
 
 
-def test_extend_and_decode_reject_inconsistent_arguments(make_alloc: MakeAlloc) -> None:
-    a = make_alloc(4)
+@pytest.mark.parametrize("debug", ["flag", "SGLANG_DEBUG_MEMORY_POOL"])
+def test_extend_and_decode_reject_inconsistent_arguments(make_alloc: MakeAlloc, debug: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    if debug == "flag":
+        a = make_alloc(4, debug=True)
+    else:
+        monkeypatch.setenv(debug, "1")  # SGLang's own switch for these checks
+        a = make_alloc(4)
     held = a.alloc(4)
     assert held is not None
     before = state_of(a)
@@ -493,46 +771,97 @@ def test_extend_and_decode_reject_inconsistent_arguments(make_alloc: MakeAlloc) 
         a.alloc_extend([2], [2], [3], [3], [int(held[2])], 1)
     with pytest.raises(ValueError, match="last_loc"):  # a page nobody holds
         a.alloc_decode([2], [2], [int(held[0]) + 4])
+    with pytest.raises(ValueError, match="last_loc must hold integers"):
+        a.alloc_decode([2], [2], torch.tensor([4.0]))
     with pytest.raises(ValueError, match="num_new_pages"):
         a.alloc_extend([0], [0], [5], [5], [-1], 5, num_new_pages=1)
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        a.alloc_decode([2, 3], [2, 3], [int(held[0])])
     assert state_of(a) == before
+
+
+def test_extend_and_decode_leave_last_loc_on_its_device(make_space: Callable[..., KVSpace],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression: alloc_decode copied last_loc to the host on every decode step (a
+    # GPU->CPU sync) only to validate it. A meta tensor has no data to copy: any host
+    # copy raises, while arithmetic on the device works.
+    monkeypatch.delenv("SGLANG_DEBUG_MEMORY_POOL", raising=False)  # the default: no debug checks
+    space = make_space(Geometry(1, 2, 4 * KiB, NUM_PAGES + 1, page_bytes=16 * KiB), null_block=True)
+    a = KVPoolTokenAllocator(NUM_PAGES * 4, 4, dtype=torch.float16, device="meta", space=space)
+    assert a.alloc(8) is not None
+    meta = torch.empty(3, dtype=torch.int64, device="meta")
+    got = a.alloc_decode(meta, i64([3, 5, 9]), meta)  # one continues a page, two need new ones
+    assert got is not None and got.device.type == "meta" and got.shape == (3,)
+    got = a.alloc_extend(meta, i64([2, 4, 0]), meta, i64([11, 9, 3]), meta, 17)
+    assert got is not None and got.device.type == "meta" and got.shape == (17,)
+    assert len(a.held_pages()) == 2 + 2 + 5
+    a.close()
+
+
+def test_without_debug_last_loc_is_used_as_given(make_alloc: MakeAlloc) -> None:
+    a = make_alloc(4, debug=False)
+    held = a.alloc(4)
+    assert held is not None
+    got = a.alloc_decode([2], [2], [int(held[0]) + 4])  # not held: only debug mode looks
+    assert got is not None and got.tolist() == [int(held[0]) + 5]
 
 
 # -- whole allocator ---------------------------------------------------------------------
 @page_sizes
 def test_clear_returns_everything(make_alloc: MakeAlloc, ps: int) -> None:
     a = make_alloc(ps)
-    empty = a.space.stats().used_blocks
     x = a.alloc(30 * ps)
     assert x is not None
+    a.free(x[2 * ps : 4 * ps])  # pending
     state = a.backup_state()
-    a.free(x[:ps])  # deferred
+    a.free(x[:ps])  # kept
     a.free_group_begin()
     a.free(x[ps : 2 * ps])
     a.clear()
     assert a.available_size() == NUM_PAGES * ps and a.held_pages().numel() == 0
-    assert a.space.stats().used_blocks == empty  # deferred and grouped pages went back too
+    assert used(a) == 0 and a.pending_pages().numel() == 0  # pending, kept and grouped pages went back too
     assert a.alloc(NUM_PAGES * ps) is not None
     with pytest.raises(ValueError, match="no longer restorable"):
         a.restore_state(state)
     a.free_group_end()  # the group was dropped by clear
 
 
-def test_sglang_attributes(make_alloc: MakeAlloc) -> None:
-    cache = object()
+def test_sglang_pass_throughs_reach_the_kv_cache(make_alloc: MakeAlloc) -> None:
+    calls: list[tuple[object, ...]] = []
+
+    class KVCache:
+        def get_cpu_copy(self, indices: Any, mamba_indices: Any = None) -> str:
+            calls.append(("get", indices, mamba_indices))
+            return "cpu copy"
+
+        def load_cpu_copy(self, kv_cache_cpu: Any, indices: Any, mamba_indices: Any = None) -> None:
+            calls.append(("load", kv_cache_cpu, indices, mamba_indices))
+
+    cache = KVCache()
     a = make_alloc(4, kvcache=cache)
     assert (a.size, a.size_full, a.page_size, a.num_pages) == (NUM_PAGES * 4, NUM_PAGES * 4, 4, NUM_PAGES)
     assert a.dtype == torch.float16 and a.device == "cpu" and a.get_kvcache() is cache
+    assert a.get_cpu_copy("idx", mamba_indices="m") == "cpu copy"
+    a.load_cpu_copy("copy", "idx")
+    assert calls == [("get", "idx", "m"), ("load", "copy", "idx", None)]
+    assert a.is_not_in_free_group
+    a.free_group_begin()
+    assert not a.is_not_in_free_group
+    a.free_group_end()
     assert isinstance(a.backup_state(), AllocatorState)
-    assert "4 tokens" in a.debug_print()
+    x = a.alloc(12)
+    assert x is not None
+    a.free(x[8:])
+    assert "2/63 pages of 4 tokens held, 1 pending" in a.debug_print()
 
 
 def test_an_existing_space_is_borrowed_not_closed(make_space: Callable[..., KVSpace]) -> None:
     g = Geometry(1, 2, 4 * KiB, NUM_PAGES + 1, page_bytes=16 * KiB)
     space = make_space(g, null_block=True)
     with KVPoolTokenAllocator(NUM_PAGES * 4, 4, dtype=torch.float16, space=space) as a:
-        assert a.alloc(8) is not None
-        assert space.available() == g.capacity - 1 - 2
+        x = a.alloc(12)
+        assert x is not None and space.available() == g.capacity - 1 - 3
+        a.free(x[:4])  # pending pages go back on close too
     assert not space.closed and space.available() == g.capacity - 1  # pages back, space open
     with pytest.raises(PoolClosed):
         a.alloc(4)
@@ -555,6 +884,8 @@ def test_construction_is_validated(make_space: Callable[..., KVSpace]) -> None:
         KVPoolTokenAllocator(64, 0, dtype=torch.float16, token_bytes=64)
     with pytest.raises(ValueError, match="no whole page"):
         KVPoolTokenAllocator(3, 4, dtype=torch.float16, token_bytes=64)
+    with pytest.raises(ValueError, match="shortage_wait_s"):
+        KVPoolTokenAllocator(64, 4, dtype=torch.float16, token_bytes=64, shortage_wait_s=-1)
 
 
 def test_a_closed_allocator_refuses_work(make_alloc: MakeAlloc) -> None:
@@ -563,6 +894,6 @@ def test_a_closed_allocator_refuses_work(make_alloc: MakeAlloc) -> None:
     assert x is not None
     a.close()
     assert a.closed and "closed" in repr(a) and a.space.closed
-    for call in (lambda: a.alloc(1), lambda: a.free(x), a.available_size, a.backup_state):
+    for call in (lambda: a.alloc(1), lambda: a.free(x), a.available_size, a.backup_state, a.flush):
         with pytest.raises(PoolClosed):
             call()
