@@ -188,28 +188,27 @@ def test_capped_pool_grows_and_shrinks_with_identical_outputs(
     assert min(after_peak) <= peak - 2 * UNIT
 
 
-def test_two_engines_in_two_processes_share_one_pool(
-        tiny_model: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path) -> None:
-    cap = 8 * UNIT
-    pool = Pool(pool_name, capacity=cap)
-    go = tmp_path / "go"
-    samples: list[tuple[int, dict[str, int]]] = []
+Samples = list[tuple[float, int, dict[str, int]]]  # (time, pool committed, per tenant)
+
+
+def run_together(tmp: pathlib.Path, pool: Pool, engines: dict[str, dict[str, Any]]) -> tuple[list[Any], Samples]:
+    """Start engines (tenant name -> config) in their own processes, release
+    them together once all are ready, and sample the ledger until they end."""
+    go = tmp / "go"
+    samples: Samples = []
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.is_set():
-            samples.append((pool.committed, {t.name: t.committed_bytes for t in pool.tenants()}))
-            time.sleep(0.002)
+            samples.append((time.monotonic(), pool.committed, {t.name: t.committed_bytes for t in pool.tenants()}))
+            time.sleep(0.003)
 
-    procs = []
-    for name in ("eng-a", "eng-b"):
-        cfg = {"model": tiny_model, "phases": [phase(PROMPTS), phase(PROMPTS_2), phase(PROMPTS)],
-               "ready_file": str(tmp_path / f"ready-{name}"), "go_file": str(go)}
-        procs.append(run_engine(tmp_path, cfg, plugin=True, pool=pool_name, tenant=name, wait=False))
+    procs = [run_engine(tmp, dict(cfg, ready_file=str(tmp / f"ready-{name}"), go_file=str(go)), plugin=True,
+                        pool=pool.name, tenant=name, wait=False) for name, cfg in engines.items()]
     sampler = threading.Thread(target=sample, daemon=True)
     try:
         deadline = time.monotonic() + 300
-        while not all((tmp_path / f"ready-{n}").exists() for n in ("eng-a", "eng-b")):
+        while not all((tmp / f"ready-{n}").exists() for n in engines):
             assert time.monotonic() < deadline, "engines did not start"
             assert all(p.poll() is None for p, _ in procs), "an engine died while starting"
             time.sleep(0.05)
@@ -222,15 +221,24 @@ def test_two_engines_in_two_processes_share_one_pool(
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+    assert samples
+    return results, samples
+
+
+def test_two_engines_in_two_processes_share_one_pool(
+        tiny_model: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path) -> None:
+    cap = 8 * UNIT
+    pool = Pool(pool_name, capacity=cap)
+    cfg = {"model": tiny_model, "phases": [phase(PROMPTS), phase(PROMPTS_2), phase(PROMPTS)]}
+    results, samples = run_together(tmp_path, pool, {"eng-a": cfg, "eng-b": cfg})
     for res in results:
         assert [ph["tokens"] for ph in res["phases"]] == [reference["p1"], reference["p2"], reference["p1"]]
-    assert samples
     # The combined commit never exceeds the pool...
-    assert max(total for total, _ in samples) <= cap
+    assert max(total for _, total, _ in samples) <= cap
     # ...yet each engine at its peak held more than the other could have
     # kept at the same time: memory one gave back was used by the other.
-    peak_a = max(t.get("eng-a", 0) for _, t in samples)
-    peak_b = max(t.get("eng-b", 0) for _, t in samples)
+    peak_a = max(t.get("eng-a", 0) for _, _, t in samples)
+    peak_b = max(t.get("eng-b", 0) for _, _, t in samples)
     assert peak_a + peak_b > cap, (peak_a, peak_b)
 
 
@@ -241,46 +249,18 @@ def test_an_idle_server_engine_gives_its_cached_pages_to_a_waiting_engine(
     # memory: it can only run if A, while idle, gives cached pages back.
     cap = 8 * UNIT
     pool = Pool(pool_name, capacity=cap)
-    go = tmp_path / "go"
     a_cfg = {"model": tiny_model, "in_process": False, "prefix_caching": True,
              "phases": [phase(PROMPTS), phase(PROMPTS[:1], sleep_s=10.0)]}
     b_cfg = {"model": tiny_model, "phases": [phase(PROMPTS_2, sleep_s=4.0)]}
-    samples: list[tuple[float, dict[str, int]]] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            samples.append((time.monotonic(), {t.name: t.committed_bytes for t in pool.tenants()}))
-            time.sleep(0.005)
-
-    procs = []
-    for name, cfg in (("idle-a", a_cfg), ("busy-b", b_cfg)):
-        cfg = dict(cfg, ready_file=str(tmp_path / f"ready-{name}"), go_file=str(go))
-        procs.append(run_engine(tmp_path, cfg, plugin=True, pool=pool_name, tenant=name, wait=False))
-    sampler = threading.Thread(target=sample, daemon=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not all((tmp_path / f"ready-{n}").exists() for n in ("idle-a", "busy-b")):
-            assert time.monotonic() < deadline, "engines did not start"
-            assert all(p.poll() is None for p, _ in procs), "an engine died while starting"
-            time.sleep(0.05)
-        sampler.start()
-        go.touch()
-        a, b = (finish(p, out) for p, out in procs)
-    finally:
-        stop.set()
-        for p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    (a, b), samples = run_together(tmp_path, pool, {"idle-a": a_cfg, "busy-b": b_cfg})
     assert a["phases"][0]["tokens"] == reference["p1"]
     assert a["phases"][1]["tokens"] == reference["p1"][:1]
     assert b["phases"][0]["tokens"] == reference["p2"]
     a_phase1_end, b_start, b_end = a["phases"][0]["end"], b["phases"][0]["start"], b["phases"][0]["end"]
     assert a_phase1_end < b_start < b_end < a["phases"][1]["start"]  # A idled through B's run
-    held = [s.get("idle-a", 0) for t, s in samples if a_phase1_end <= t <= b_start]
-    during_b = [s.get("idle-a", 0) for t, s in samples if b_start <= t <= b_end]
+    held = [s.get("idle-a", 0) for t, _, s in samples if a_phase1_end <= t <= b_start]
+    during_b = [s.get("idle-a", 0) for t, _, s in samples if b_start <= t <= b_end]
     assert held and during_b
     assert min(held) >= cap - 3 * UNIT  # A kept its cache while nobody needed the memory
     assert min(during_b) <= min(held) - 2 * UNIT  # and gave pages back while B needed them
-    assert max(sum(s.values()) for _, s in samples) <= cap
+    assert max(total for _, total, _ in samples) <= cap
