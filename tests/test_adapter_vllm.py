@@ -229,10 +229,15 @@ def test_two_engines_in_two_processes_share_one_pool(
         tiny_model: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path) -> None:
     cap = 8 * UNIT
     pool = Pool(pool_name, capacity=cap)
-    cfg = {"model": tiny_model, "phases": [phase(PROMPTS), phase(PROMPTS_2), phase(PROMPTS)]}
-    results, samples = run_together(tmp_path, pool, {"eng-a": cfg, "eng-b": cfg})
-    for res in results:
-        assert [ph["tokens"] for ph in res["phases"]] == [reference["p1"], reference["p2"], reference["p1"]]
+    # Each engine first has the pool to itself (the other is idle), then
+    # both run at once.
+    a_cfg = {"model": tiny_model, "phases": [phase(PROMPTS), phase(PROMPTS_2, sleep_s=6.0), phase(PROMPTS)]}
+    b_cfg = {"model": tiny_model, "phases": [phase(PROMPTS_2, sleep_s=3.0), phase(PROMPTS, sleep_s=3.0),
+                                             phase(PROMPTS_2)]}
+    (a, b), samples = run_together(tmp_path, pool, {"eng-a": a_cfg, "eng-b": b_cfg})
+    assert [ph["tokens"] for ph in a["phases"]] == [reference["p1"], reference["p2"], reference["p1"]]
+    assert [ph["tokens"] for ph in b["phases"]] == [reference["p2"], reference["p1"], reference["p2"]]
+    assert a["phases"][0]["end"] < b["phases"][0]["start"], "the engines' first phases overlapped"
     # The combined commit never exceeds the pool...
     assert max(total for _, total, _ in samples) <= cap
     # ...yet each engine at its peak held more than the other could have
