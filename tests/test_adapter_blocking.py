@@ -19,10 +19,9 @@ G = Geometry(1, 2, 4 * KiB, 128, page_bytes=16 * KiB)
 
 
 def wait_until(cond: Callable[[], bool]) -> None:
-    """Poll for a state another thread reaches (threads park at their own pace)."""
-    deadline = time.monotonic() + 10
+    """Poll for a state another thread reaches (threads park at their own pace);
+    a state never reached ends in the test's timeout."""
     while not cond():
-        assert time.monotonic() < deadline, "condition never reached"
         time.sleep(0.005)
 
 

@@ -25,7 +25,7 @@ import pytest
 
 from kvpool import Pool
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]  # real engines start in child processes
 
 HERE = pathlib.Path(__file__).parent / "vllm_support"
 VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
@@ -207,9 +207,8 @@ def run_together(tmp: pathlib.Path, pool: Pool, engines: dict[str, dict[str, Any
                         pool=pool.name, tenant=name, wait=False) for name, cfg in engines.items()]
     sampler = threading.Thread(target=sample, daemon=True)
     try:
-        deadline = time.monotonic() + 300
+        # An engine that dies fails here; one that hangs, in the test's timeout.
         while not all((tmp / f"ready-{n}").exists() for n in engines):
-            assert time.monotonic() < deadline, "engines did not start"
             assert all(p.poll() is None for p, _ in procs), "an engine died while starting"
             time.sleep(0.05)
         sampler.start()
