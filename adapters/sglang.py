@@ -90,7 +90,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import select
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -410,8 +409,7 @@ class KVPoolTokenAllocator:
                         self.space.report_waiting(1)  # the vLLM plugin gives cached pages back for this
                 if now >= deadline:
                     return None
-                select.select([self.space.wakeup_fd], [], [], min(deadline - now, _POLL_S))
-                self.space.drain_wakeups()
+                self.space.wait_for_capacity(min(deadline - now, _POLL_S))
         finally:
             if deadline is not None and self.space.pool is not None:
                 self.space.report_waiting(0)

@@ -314,6 +314,21 @@ class KVSpace:
         except BlockingIOError:
             return 0
 
+    def wait_for_capacity(self, timeout: float) -> bool:
+        """Block this thread (GIL released) until :attr:`wakeup_fd` signals that
+        capacity may have appeared, or ``timeout`` seconds; consumes the wake-ups.
+
+        Returns whether it was signalled. Callers re-try their alloc either way:
+        budget another process gives back may arrive between signals.
+        """
+        import select
+
+        if timeout < 0:
+            raise ValueError(f"timeout must be >= 0, got {timeout}")
+        signalled = bool(select.select([self.wakeup_fd], [], [], timeout)[0])
+        self.drain_wakeups()
+        return signalled
+
     # -- tensors ------------------------------------------------------------
     def region(self, index: int) -> torch.Tensor:
         """Region ``index`` as a flat ``uint8`` tensor (zero-copy, DLPack)."""

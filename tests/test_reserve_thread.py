@@ -56,6 +56,19 @@ def test_eventfd_turns_readable_when_the_thread_adds_capacity() -> None:
         space.free(ids)
 
 
+def test_wait_for_capacity_returns_on_the_threads_signal_and_consumes_it() -> None:
+    with KVSpace(G, reserve=(1, 1)) as space:
+        assert space.settle(5)
+        space.drain_wakeups()
+        assert space.wait_for_capacity(0) is False  # nothing signalled: returns at once
+        ids = space.alloc(4)  # the thread commits a new idle page and signals
+        assert space.wait_for_capacity(60) is True
+        assert space.drain_wakeups() == 0  # consumed
+        with pytest.raises(ValueError, match=">= 0"):
+            space.wait_for_capacity(-1)
+        space.free(ids)
+
+
 def test_thread_respects_the_limit_and_gives_pages_back_above_it() -> None:
     with KVSpace(G, reserve=(4, 8)) as space:
         ids = space.alloc(16)  # 4 active pages

@@ -36,7 +36,6 @@ Why this shape:
 
 from __future__ import annotations
 
-import select
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -100,7 +99,8 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         if num_blocks <= 0:
             return []
         if num_blocks > self.free_block_queue.num_free_blocks:
-            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
+                             f"({self.free_block_queue.num_free_blocks} free)")
         # vLLM checked get_num_free_blocks; if another tenant took the budget
         # since, _alloc_ids waits for it rather than failing the step.
         ids = self._alloc_ids(num_blocks)
@@ -141,8 +141,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         if self._reported_waiting and self.free_block_queue.num_free_blocks == self.num_gpu_blocks - 1:
             # Nothing in use any more: an offline engine may never call again,
             # so it must not leave "waiting" behind in the ledger.
-            self.space.report_waiting(0)
-            self._reported_waiting = 0
+            self._report_waiting(0)
 
     def touch(self, blocks: Any) -> None:
         super().touch(blocks)
@@ -190,10 +189,13 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
 
     # -- kvpool side -----------------------------------------------------------
     def _alloc_ids(self, n: int) -> Any:
-        deadline = time.monotonic() + SHORTAGE_WAIT_S
+        deadline, waited = time.monotonic() + SHORTAGE_WAIT_S, False
         while True:
             try:
-                return self.space.alloc(n)
+                ids = self.space.alloc(n)
+                if waited:
+                    self._report_waiting(0)
+                return ids
             except PoolExhausted as e:
                 if self._evictable:
                     short = max(1, n - e.available)
@@ -205,9 +207,17 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
                         f"kvpool: {n} blocks were free when vLLM checked but the pool has had only "
                         f"{e.available} for {SHORTAGE_WAIT_S:.0f} s (another tenant took the budget)") from e
                 # Another tenant took the budget after vLLM's check: wait for
-                # memory to come back rather than fail the step.
-                select.select([self.space.wakeup_fd], [], [], min(left, 0.05))
-                self.space.drain_wakeups()
+                # memory to come back rather than fail the step (and say so,
+                # so engines holding cached pages give them up).
+                self._report_waiting(1)
+                waited = True
+                self.space.wait_for_capacity(min(left, 0.05))
+
+    def _report_waiting(self, waiting: int) -> None:
+        """Tell the pool, on a change only (the ledger is shared memory)."""
+        if waiting != self._reported_waiting and self.space.pool is not None:
+            self.space.report_waiting(waiting)
+            self._reported_waiting = waiting
 
     def _release_evictable(self, blocks: list[Any]) -> None:
         """Drop cached contents and give the blocks back to the space."""
@@ -223,11 +233,11 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         self.space.free(ids)
 
     def _maybe_reclaim(self, idle: bool = False) -> None:
-        now = time.monotonic()
-        if self._evictable and self._over_limit():
+        if self._evictable:
             # Unthrottled: over its limit an engine's cached pages cannot be
             # recommitted, so they must not stay counted as free.
-            self.reclaim_pages(self._pages_the_pool_wants())
+            self.reclaim_pages(self._pages_over_limit())
+        now = time.monotonic()
         if now < self._next_pressure_check:
             return
         self._next_pressure_check = now + PRESSURE_CHECK_S
@@ -236,33 +246,21 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         # than a page of room and nothing of its own left to evict.
         # An idle engine wants nothing.
         starving = 0 if idle else int(self.space.available() + len(self._evictable) < self._blocks_per_page)
-        if starving != self._reported_waiting and self.space.pool is not None:
-            self.space.report_waiting(starving)
-            self._reported_waiting = starving
-        if self._evictable:
-            pages = self._pages_the_pool_wants()
-            if pages:
-                self.reclaim_pages(pages)
+        self._report_waiting(starving)
+        if self._evictable and self._another_tenant_waits():
+            self.reclaim_pages(RECLAIM_PAGES_PER_CHECK)
 
-    def _over_limit(self) -> bool:
+    def _pages_over_limit(self) -> int:
+        """Pages this engine holds beyond its limit (the space's or the pool's)."""
         st = self.space.stats()  # one native call
-        return st.limit_pages >= 0 and st.committed_bytes > st.limit_pages * st.page_commit_bytes
-
-    def _pages_the_pool_wants(self) -> int:
-        """Pages to give back now: enough to get under this engine's limit,
-        or a few while another tenant of the pool is waiting for memory."""
-        pool = self.space.pool
-        if pool is None:
+        if st.limit_pages < 0:
             return 0
-        me, want = self.space.name, 0
-        for t in pool.tenants():
-            if t.name == me:
-                if t.limit_bytes is not None and t.committed_bytes > t.limit_bytes:
-                    unit = self.space.stats().page_commit_bytes
-                    want = max(want, -(-(t.committed_bytes - t.limit_bytes) // unit))
-            elif t.waiting > 0:
-                want = max(want, RECLAIM_PAGES_PER_CHECK)
-        return want
+        return max(0, st.committed_bytes // st.page_commit_bytes - st.limit_pages)
+
+    def _another_tenant_waits(self) -> bool:
+        pool = self.space.pool
+        me = self.space.name
+        return pool is not None and any(t.waiting > 0 for t in pool.tenants() if t.name != me)
 
     def reclaim_pages(self, max_pages: int) -> int:
         """Evict the cached blocks of up to ``max_pages`` pages that hold
