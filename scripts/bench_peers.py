@@ -43,7 +43,8 @@ Contenders
 
 - **vLLM BlockPool** (``vllm.v1.core.block_pool.BlockPool``), only when a vLLM
   interpreter is present: ``$KVPOOL_VLLM_PYTHON``, else ``.venv-vllm/bin/python``
-  in the repository root. A timing snippet (the same calibrated loops) runs in
+  in the repository root, else the cached venv that ``scripts/vllm_venv.sh``
+  makes. A timing snippet (the same calibrated loops) runs in
   that interpreter in a subprocess and prints its results as JSON. The
   constructor's parameters are read from the installed vLLM at run time
   (``inspect.signature``; versions differ: ``hash_block_size`` in recent ones,
@@ -112,23 +113,27 @@ from _benchlib import (  # scripts/, on sys.path when a script runs
     KiB,
     SyncBody,
     arepeat_ns,
+    awaited_roundtrip_loop,
+    find_vllm_python,
+    fmt,
     geo_info,
     machine_info,
+    no_page_syscalls,
     parse_args,
+    ratio,
     repeat_ns,
-    timing_source,
+    roundtrip_loop,
+    run_marked_json,
+    si,
     utc_now,
     version,
+    with_timing,
     write_json,
 )
 
 from kvpool import Geometry, KVCacheManager, KVSpace
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-FLOOR_SRC = HERE / "freelist_baseline.cpp"
-VLLM_ENV = "KVPOOL_VLLM_PYTHON"
-VLLM_VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+FLOOR_SRC = Path(__file__).resolve().parent / "freelist_baseline.cpp"
 VLLM_MARK = "KVPOOL-BENCH-PEERS-JSON "
 SIZES = (1, 16, 256)
 ROUNDTRIP_BLOCKS = 4096
@@ -263,23 +268,9 @@ def _timed_floor(floor: Floor, h: int, n: int, settings: Settings, which: tuple[
 # ---------------------------------------------------------------- kvpool
 
 
-def _page_counters(space: KVSpace) -> tuple[int, int]:
-    s = space.stats()
-    return s.commits, s.releases
-
-
 def _kvpool_sync(space: KVSpace, n: int, settings: Settings, what: str) -> dict[str, Any]:
-    def body(iters: int) -> None:
-        alloc, free = space.alloc, space.free
-        for _ in range(iters):
-            free(alloc(n))
-
-    before = _page_counters(space)
-    res = _repeat(body, settings)
-    after = _page_counters(space)
-    if after != before:
-        raise RuntimeError(f"{what}: pages were committed/released while timing: {before} -> {after}")
-    return res
+    with no_page_syscalls(space, what):
+        return _repeat(roundtrip_loop(space.alloc, space.free, n), settings)
 
 
 async def _kvpool_await(settings: Settings) -> dict[str, Any]:
@@ -289,17 +280,8 @@ async def _kvpool_await(settings: Settings) -> dict[str, Any]:
     try:
         m.free(m.alloc_nowait(m.geometry.capacity))  # commit every page once; they stay committed
         for n in SIZES:
-            async def body(iters: int, n: int = n) -> None:
-                alloc, free = m.alloc, m.free
-                for _ in range(iters):
-                    free(await alloc(n))
-
-            s = m.stats().space
-            before = (s.commits, s.releases)
-            out[str(n)] = await _arepeat(body, settings)
-            s = m.stats().space
-            if (s.commits, s.releases) != before:
-                raise RuntimeError(f"await n={n}: pages were committed/released while timing")
+            with no_page_syscalls(m, f"await n={n}"):
+                out[str(n)] = await _arepeat(awaited_roundtrip_loop(m.alloc, m.free, n), settings)
         st = m.stats()
         if st.waiting or st.used_blocks or st.granted_after_wait:
             raise RuntimeError(f"await round trip was not uncontended: {st}")
@@ -314,7 +296,7 @@ async def _kvpool_await(settings: Settings) -> dict[str, Any]:
 # Runs in the vLLM interpreter: argv[1] is a JSON config; the last stdout line
 # starting with the marker carries the results.
 VLLM_SNIPPET = r'''
-import gc, inspect, json, platform, random, statistics, sys, time
+import gc, inspect, json, sys, time
 
 cfg = json.loads(sys.argv[1])
 t_import = time.perf_counter()
@@ -344,17 +326,14 @@ def make_pool(usable, caching):
     pool = BlockPool(**kwargs)
     if pool.get_num_free_blocks() != usable:
         raise RuntimeError(f"BlockPool({kwargs}) has {pool.get_num_free_blocks()} free blocks, expected {usable}")
-    return pool, {k: v for k, v in kwargs.items()}, str(sig)
+    return pool, kwargs, str(sig)
 
 
-# @timing@ (no_gc, loop_ns, calibrate, repeat_ns: spliced in from _benchlib.timing_source())
+# @timing@ (no_gc, loop_ns, calibrate, repeat_ns, roundtrip_loop: spliced in by _benchlib.with_timing())
 
 
 def bodies(pool, n):
-    def plain(iters):
-        get, free = pool.get_new_blocks, pool.free_blocks
-        for _ in range(iters):
-            free(get(n))
+    plain = roundtrip_loop(pool.get_new_blocks, pool.free_blocks, n)
 
     def with_ids(iters):
         get, free = pool.get_new_blocks, pool.free_blocks
@@ -391,14 +370,14 @@ for caching in (False, True):
 
 for size in cfg["scale_sizes"]:
     t0 = time.perf_counter()
-    pool, kwargs, _ = make_pool(size, False)
+    pool, _, _ = make_pool(size, False)
     blocks = pool.get_new_blocks(size)
     held = cfg["held"][str(size)]  # by block id; vLLM's ids are 1..size (0 is its null block)
     pool.free_blocks([b for b in blocks if not held[b.block_id - 1]])
     kept = [b for b in blocks if held[b.block_id - 1]]
     del blocks
     setup_s = time.perf_counter() - t0
-    res = timed(pool, bodies(pool, cfg["scale_n"])["plain"])
+    res = timed(pool, roundtrip_loop(pool.get_new_blocks, pool.free_blocks, cfg["scale_n"]))
     res.update(num_blocks=size, used_blocks=len(kept), setup_s=setup_s)
     out["scale"][str(size)] = res
     pool.free_blocks(kept)
@@ -407,24 +386,11 @@ for size in cfg["scale_sizes"]:
 
 print("\n" + cfg["mark"] + json.dumps(out), flush=True)
 '''
-VLLM_SNIPPET = VLLM_SNIPPET.replace("# @timing@", timing_source() + "\n\n# @timing@", 1)
-
-
-def _vllm_python() -> tuple[str | None, str]:
-    """The vLLM interpreter to use, and where it came from (or why there is none)."""
-    env = os.environ.get(VLLM_ENV)
-    if env:
-        path = shutil.which(env) or env
-        if not os.access(path, os.X_OK):
-            return None, f"${VLLM_ENV}={env} is not an executable"
-        return path, f"${VLLM_ENV}"
-    if os.access(VLLM_VENV_PYTHON, os.X_OK):
-        return str(VLLM_VENV_PYTHON), str(VLLM_VENV_PYTHON.relative_to(ROOT))
-    return None, f"no vLLM interpreter: ${VLLM_ENV} is unset and {VLLM_VENV_PYTHON.relative_to(ROOT)} does not exist"
+VLLM_SNIPPET = with_timing(VLLM_SNIPPET)
 
 
 def bench_vllm(settings: Settings, cwd: str) -> dict[str, Any]:
-    py, origin = _vllm_python()
+    py, origin = find_vllm_python()
     if py is None:
         return {"available": False, "why": origin}
     cfg = {
@@ -444,21 +410,8 @@ def bench_vllm(settings: Settings, cwd: str) -> dict[str, Any]:
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     code = "import sys, pathlib; sys.argv[1] = pathlib.Path(sys.argv[1]).read_text()\n" + VLLM_SNIPPET
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run([py, "-c", code, cfg_path], check=False, capture_output=True, text=True, cwd=cwd, env=env,
-                              timeout=settings.vllm_timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"available": False, "why": f"{py} ({origin}) ran past {settings.vllm_timeout_s:g} s"}
-    wall_s = time.perf_counter() - t0
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(VLLM_MARK)]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"available": False, "why": f"{py} ({origin}) exited {proc.returncode}: " + " | ".join(tail)}
-    res: dict[str, Any] = json.loads(lines[-1][len(VLLM_MARK):])
-    res["origin"] = origin
-    res["subprocess_s"] = wall_s
-    return res
+    return run_marked_json(py, origin, ["-c", code, cfg_path], VLLM_MARK, cwd=cwd, env=env,
+                           timeout_s=settings.vllm_timeout_s)
 
 
 # ---------------------------------------------------------------- figures
@@ -515,10 +468,6 @@ def bench_scale(settings: Settings, floor: Floor) -> dict[str, Any]:
 # ---------------------------------------------------------------- ratios
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
-
-
 def _rows(res: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     """Figure 1: contender -> {n: median ns per round trip}."""
     rt, vl = res["roundtrip"], res["vllm"]
@@ -534,21 +483,32 @@ def _rows(res: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     return rows
 
 
-RATIOS = (  # (name, numerator row, denominator row)
-    ("kvpool_sync/cpp_loop", "kvpool_sync", "floor_cpp_loop"),
-    ("kvpool_sync/ctypes_bare", "kvpool_sync", "floor_ctypes_bare"),
-    ("kvpool_sync/ctypes_fresh", "kvpool_sync", "floor_ctypes_fresh"),
-    ("kvpool_await/ctypes_bare", "kvpool_await", "floor_ctypes_bare"),
-    ("kvpool_await/kvpool_sync", "kvpool_await", "kvpool_sync"),
-    ("vllm_off/cpp_loop", "vllm_off", "floor_cpp_loop"),
-    ("vllm_off/ctypes_bare", "vllm_off", "floor_ctypes_bare"),
-    ("vllm_on/ctypes_bare", "vllm_on", "floor_ctypes_bare"),
-    ("kvpool_sync/vllm_off", "kvpool_sync", "vllm_off"),
-    ("kvpool_sync/vllm_on", "kvpool_sync", "vllm_on"),
-    ("kvpool_sync/vllm_off_ids", "kvpool_sync", "vllm_off_ids"),
-    ("kvpool_await/vllm_off", "kvpool_await", "vllm_off"),
-    ("kvpool_await/vllm_on", "kvpool_await", "vllm_on"),
+# (numerator row, denominator row); a ratio is named "numerator/denominator", less the "floor_" prefix.
+RATIOS = (
+    ("kvpool_sync", "floor_cpp_loop"),
+    ("kvpool_sync", "floor_ctypes_bare"),
+    ("kvpool_sync", "floor_ctypes_fresh"),
+    ("kvpool_await", "floor_ctypes_bare"),
+    ("kvpool_await", "kvpool_sync"),
+    ("vllm_off", "floor_cpp_loop"),
+    ("vllm_off", "floor_ctypes_bare"),
+    ("vllm_on", "floor_ctypes_bare"),
+    ("kvpool_sync", "vllm_off"),
+    ("kvpool_sync", "vllm_on"),
+    ("kvpool_sync", "vllm_off_ids"),
+    ("kvpool_await", "vllm_off"),
+    ("kvpool_await", "vllm_on"),
 )
+SCALE_RATIOS = (
+    ("kvpool_sync", "floor_cpp_loop"),
+    ("kvpool_sync", "floor_ctypes_bare"),
+    ("kvpool_sync", "vllm_off"),
+    ("vllm_off", "floor_cpp_loop"),
+)
+
+
+def _ratio_name(a: str, b: str) -> str:
+    return f"{a.removeprefix('floor_')}/{b.removeprefix('floor_')}"
 
 
 def compute_ratios(res: dict[str, Any]) -> None:
@@ -556,8 +516,8 @@ def compute_ratios(res: dict[str, Any]) -> None:
     rt = res["roundtrip"]
     rt["ns_per_roundtrip"] = rows
     rt["ns_per_block"] = {k: {n: None if v is None else v / int(n) for n, v in r.items()} for k, r in rows.items()}
-    rt["ratios"] = {name: {n: _ratio(rows[a][n], rows[b][n]) for n in rows[a]}
-                    for name, a, b in RATIOS if a in rows and b in rows}
+    rt["ratios"] = {_ratio_name(a, b): {n: ratio(rows[a][n], rows[b][n]) for n in rows[a]}
+                    for a, b in RATIOS if a in rows and b in rows}
 
     sc, vl = res["scale"], res["vllm"]
     first = str(res["settings"]["scale_sizes"][0])
@@ -571,30 +531,13 @@ def compute_ratios(res: dict[str, Any]) -> None:
             c["vllm_off"] = vl["scale"][size]
             ns["vllm_off"] = vl["scale"][size]["median_ns"]
         c["ns_per_roundtrip"] = ns
-        c["ratios"] = {
-            "kvpool_sync/cpp_loop": _ratio(ns["kvpool_sync"], ns["floor_cpp_loop"]),
-            "kvpool_sync/ctypes_bare": _ratio(ns["kvpool_sync"], ns["floor_ctypes_bare"]),
-        }
-        if "vllm_off" in ns:
-            c["ratios"]["kvpool_sync/vllm_off"] = _ratio(ns["kvpool_sync"], ns["vllm_off"])
-            c["ratios"]["vllm_off/cpp_loop"] = _ratio(ns["vllm_off"], ns["floor_cpp_loop"])
+        c["ratios"] = {_ratio_name(a, b): ratio(ns[a], ns[b]) for a, b in SCALE_RATIOS if a in ns and b in ns}
     base = sc["cases"][first]["ns_per_roundtrip"]
     for c in sc["cases"].values():
-        c["ratio_to_smallest"] = {k: _ratio(v, base[k]) for k, v in c["ns_per_roundtrip"].items()}
+        c["ratio_to_smallest"] = {k: ratio(v, base[k]) for k, v in c["ns_per_roundtrip"].items()}
 
 
 # ---------------------------------------------------------------- report
-
-
-def _si(n: int) -> str:
-    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
-
-
-def _f(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
 
 
 LABELS = {
@@ -608,21 +551,20 @@ LABELS = {
     "vllm_off_ids": "vLLM, caching off, + ids",
 }
 
-RATIO_LABELS = {
-    "kvpool_sync/cpp_loop": "kvpool sync / C++ loop",
-    "kvpool_sync/ctypes_bare": "kvpool sync / ctypes bare",
-    "kvpool_sync/ctypes_fresh": "kvpool sync / ctypes + fresh",
-    "kvpool_await/ctypes_bare": "kvpool await / ctypes bare",
-    "kvpool_await/kvpool_sync": "kvpool await / kvpool sync",
-    "vllm_off/cpp_loop": "vLLM off / C++ loop",
-    "vllm_off/ctypes_bare": "vLLM off / ctypes bare",
-    "vllm_on/ctypes_bare": "vLLM on / ctypes bare",
-    "kvpool_sync/vllm_off": "kvpool sync / vLLM off",
-    "kvpool_sync/vllm_on": "kvpool sync / vLLM on",
-    "kvpool_sync/vllm_off_ids": "kvpool sync / vLLM off + ids",
-    "kvpool_await/vllm_off": "kvpool await / vLLM off",
-    "kvpool_await/vllm_on": "kvpool await / vLLM on",
+SHORT_LABELS = {  # a ratio "a/b" is labelled "<a> / <b>"
+    "cpp_loop": "C++ loop",
+    "ctypes_bare": "ctypes bare",
+    "ctypes_fresh": "ctypes + fresh",
+    "kvpool_sync": "kvpool sync",
+    "kvpool_await": "kvpool await",
+    "vllm_off": "vLLM off",
+    "vllm_on": "vLLM on",
+    "vllm_off_ids": "vLLM off + ids",
 }
+
+
+def _ratio_label(name: str) -> str:
+    return " / ".join(SHORT_LABELS[part] for part in name.split("/"))
 
 
 def format_report(res: dict[str, Any]) -> str:
@@ -648,14 +590,14 @@ def format_report(res: dict[str, Any]) -> str:
         f"   {'ns per round trip':<32}{head}",
     ]
     for key, r in rows.items():
-        lines.append(f"   {LABELS[key]:<32}" + "".join(f"{_f(r[n], '.0f'):>10}" for n in ns_cols))
+        lines.append(f"   {LABELS[key]:<32}" + "".join(f"{fmt(r[n], '.0f'):>10}" for n in ns_cols))
     lines.append(f"   {'ratio':<32}{head}")
     for key, r in ratios.items():
-        lines.append(f"   {RATIO_LABELS[key]:<32}" + "".join(f"{_f(r[n], '.2f'):>10}" for n in ns_cols))
+        lines.append(f"   {_ratio_label(key):<32}" + "".join(f"{fmt(r[n], '.2f'):>10}" for n in ns_cols))
 
     sc = res["scale"]
     sizes = list(sc["cases"])
-    head = "".join(f"{_si(int(s)):>10}" for s in sizes)
+    head = "".join(f"{si(int(s)):>10}" for s in sizes)
     keys = list(sc["cases"][sizes[0]]["ns_per_roundtrip"])
     lines += [
         "",
@@ -664,15 +606,15 @@ def format_report(res: dict[str, Any]) -> str:
     ]
     for key in keys:
         lines.append(f"   {LABELS[key]:<32}"
-                     + "".join(f"{_f(sc['cases'][s]['ns_per_roundtrip'][key], '.0f'):>10}" for s in sizes))
-    lines.append(f"   {'ratio to ' + _si(int(sizes[0])):<32}{head}")
+                     + "".join(f"{fmt(sc['cases'][s]['ns_per_roundtrip'][key], '.0f'):>10}" for s in sizes))
+    lines.append(f"   {'ratio to ' + si(int(sizes[0])):<32}{head}")
     for key in keys:
         lines.append(f"   {LABELS[key]:<32}"
-                     + "".join(f"{_f(sc['cases'][s]['ratio_to_smallest'][key], '.2f'):>10}" for s in sizes))
+                     + "".join(f"{fmt(sc['cases'][s]['ratio_to_smallest'][key], '.2f'):>10}" for s in sizes))
     lines.append(f"   {'ratio':<32}{head}")
     for key in sc["cases"][sizes[0]]["ratios"]:
-        lines.append(f"   {RATIO_LABELS[key]:<32}"
-                     + "".join(f"{_f(sc['cases'][s]['ratios'][key], '.2f'):>10}" for s in sizes))
+        lines.append(f"   {_ratio_label(key):<32}"
+                     + "".join(f"{fmt(sc['cases'][s]['ratios'][key], '.2f'):>10}" for s in sizes))
     partial = " / ".join(str(sc["cases"][s]["kvpool_sync"]["partial_pages"]) for s in sizes)
     lines.append(f"   (kvpool partial pages: {partial})")
     lines += ["", f"total {res['elapsed_s']:.1f} s"]
