@@ -32,7 +32,8 @@ waiter removes it (and may unblock those behind it: the manager
 re-dispatches); cancelling a GRANTED waiter that has not resumed yet gives
 its blocks back. Either way nothing leaks. Timeouts are cancellations.
 
-Closing. ``close(exc)`` fails every waiter with ``exc`` (``PoolClosed``).
+Closing. ``drain()`` empties the queue and hands every waiter back; the
+manager fails each with ``PoolClosed``.
 
 Everything here runs on the event-loop thread; no locks.
 """
@@ -83,14 +84,14 @@ class WaitQueue:
         # the head is found without scanning every class.
         self._classes: dict[int, deque[Waiter]] = {}
         self._order: list[int] = []
-        self._blocks = 0  # sum of n over waiting waiters
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._classes.values())
 
     @property
     def waiting_blocks(self) -> int:
-        return self._blocks
+        """Blocks the queued waiters ask for together (read for stats only)."""
+        return sum(w.n for w in self)
 
     def __iter__(self) -> Iterator[Waiter]:
         """Waiters in service order."""
@@ -113,7 +114,6 @@ class WaitQueue:
 
     def push(self, w: Waiter) -> None:
         self._class(w.priority).append(w)
-        self._blocks += w.n
 
     def remove(self, w: Waiter) -> bool:
         """Remove a waiting waiter (cancel/timeout); False if not queued."""
@@ -124,7 +124,6 @@ class WaitQueue:
             q.remove(w)
         except ValueError:
             return False
-        self._blocks -= w.n
         if not q:
             self._drop_class(w.priority)
         return True
@@ -140,7 +139,6 @@ class WaitQueue:
             if total + w.n > available:
                 break
             q.popleft()
-            self._blocks -= w.n
             total += w.n
             batch.append(w)
             if not q:
@@ -151,14 +149,12 @@ class WaitQueue:
         """Undo ``take_prefix`` (the grant failed): same order, same place."""
         for w in reversed(batch):
             self._class(w.priority).appendleft(w)
-            self._blocks += w.n
 
     def drain(self) -> list[Waiter]:
         """Remove and return every waiter (closing)."""
         out = list(self)
         self._classes.clear()
         self._order.clear()
-        self._blocks = 0
         return out
 
     def _drop_class(self, priority: int) -> None:

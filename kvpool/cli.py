@@ -27,22 +27,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from . import demo as demo_mod
 from .errors import LedgerError
-from .geometry import MiB, Geometry
+from .geometry import MiB
 from .pool import Pool, list_pools
-from .space import KVSpace
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
-
-
-def _mib(n: int) -> str:
-    return f"{n / MiB:8.1f} MiB"
 
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmg](?:i?b)?|b)?\s*", re.IGNORECASE)

@@ -587,7 +587,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="trace and weights seed")
     p.add_argument("--check", type=int, default=6, help="requests re-decoded with a contiguous cache")
     p.add_argument("--plot", default="kvpool-demo.png", help="where to write the PNG plot")
-    p.add_argument("--device", default="cpu", choices=["cpu"], help="cpu (cuda lands with the CUDA backend)")
     p.add_argument("--processes", action="store_true",
                    help="one process per engine, joined only by the pool (default: one process)")
     p.add_argument("--no-live", action="store_true", help="no live progress table")

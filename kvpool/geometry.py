@@ -15,11 +15,12 @@ and the allocator can never disagree.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
+
+import numpy as np
 
 from . import _core
 from .errors import GeometryError
@@ -71,7 +72,7 @@ class Geometry:
     page_bytes: int = 2 * MiB
     layout: Layout = "per_layer"
     memory_bytes: int | None = field(default=None, compare=False)
-    granularity: int = field(default_factory=lambda: os.sysconf("SC_PAGE_SIZE"), compare=False)
+    granularity: int = field(default_factory=lambda: int(_core.native.cpu_granularity()), compare=False)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_buffers", "block_bytes", "page_bytes", "granularity"):
@@ -80,13 +81,8 @@ class Geometry:
         _check_int("memory_bytes", self.memory_bytes, allow_none=True)
         if self.layout not in ("per_layer", "contiguous"):
             raise GeometryError(f"layout must be 'per_layer' or 'contiguous', got {self.layout!r}")
+        self.check_granularity(self.granularity)
         g, P, B = self.granularity, self.page_bytes, self.region_block_bytes
-        if P % g:
-            fix = math.ceil(P / g) * g
-            raise GeometryError(
-                f"page_bytes ({P}) is not a multiple of the backend granularity ({g}); "
-                f"use page_bytes={fix} ({_fmt(fix)})"
-            )
         if B > P:
             fix = math.ceil(B / g) * g
             what = "block_bytes" if self.layout == "per_layer" else (
@@ -174,15 +170,30 @@ class Geometry:
         """Page of ``block``, or ``None`` for a straddling block."""
         if not 0 <= block < self.blocks:
             raise IndexError(f"block {block} out of range [0, {self.blocks})")
-        B, P = self.region_block_bytes, self.page_bytes
-        page = block * B // P
-        return page if block * B + B <= (page + 1) * P else None
+        # Read off the native ranges so the formula lives once. They are
+        # disjoint and ascending, so only the last page starting at or before
+        # ``block`` can hold it (page 0 starts at block 0: always one).
+        first, last = self._ranges
+        page = int(np.searchsorted(first, block, side="right")) - 1
+        return page if block < last[page] else None
 
     def usable(self, block: int) -> bool:
         """Whether ``block`` lies whole inside a page (can be handed out)."""
         return self.page_of(block) is not None
 
-    # -- checks against existing tensors --------------------------------------
+    # -- checks ----------------------------------------------------------------
+    def check_granularity(self, granularity: int, device: str | None = None) -> None:
+        """Raise :class:`GeometryError` unless ``page_bytes`` is a multiple of
+        ``granularity`` (the step of ``device``'s backend), naming the fix."""
+        P, g = self.page_bytes, granularity
+        if P % g:
+            fix = math.ceil(P / g) * g
+            backend = f"{device} backend" if device else "backend"
+            raise GeometryError(
+                f"page_bytes ({P}) is not a multiple of the {backend} granularity ({g}); "
+                f"use page_bytes={fix} ({_fmt(fix)})"
+            )
+
     def check_tensors(self, tensors: Sequence[Any]) -> None:
         """Check KV tensors created before the space against this geometry.
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 from . import _core
 from .errors import LedgerError
@@ -98,7 +98,7 @@ class Pool:
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0):
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         cap = capacity if capacity is not None else (default_capacity(device) if create else 0)
-        code, msg, ledger = _core.native.open_ledger(name, cap, create)
+        _code, msg, ledger = _core.native.open_ledger(name, cap, create)
         if ledger is None:
             raise LedgerError(msg)
         self.name = name
@@ -140,10 +140,6 @@ class Pool:
     def reap(self) -> int:
         """Reap tenants whose process died; returns how many."""
         return int(self._ledger.reap())
-
-    def stats(self) -> dict[str, Any]:
-        return {"pool": self.name, "capacity": self.capacity, "committed": self.committed,
-                "tenants": len(self.tenants())}
 
     def __repr__(self) -> str:
         return f"<Pool {self.name}: {self.committed / 2**20:.1f}/{self.capacity / 2**20:.1f} MiB committed>"

@@ -57,6 +57,14 @@ def test_page_not_a_multiple_of_granularity_names_the_fix() -> None:
         Geometry(1, 1, 1024, 8, page_bytes=64 * KiB, granularity=2 * MiB)
 
 
+def test_check_granularity_names_the_device_and_the_fix() -> None:
+    g = Geometry(1, 1, 1024, 8, page_bytes=10000, granularity=16)
+    g.check_granularity(16, "cpu")
+    with pytest.raises(GeometryError, match=r"^page_bytes \(10000\) is not a multiple of the cpu backend "
+                       r"granularity \(4096\); use page_bytes=12288 \(12 KiB\)$"):
+        g.check_granularity(4096, "cpu")
+
+
 def test_num_blocks_none_derives_capacity_from_a_byte_budget() -> None:
     g = Geometry(2, 2, 6 * KiB, None, page_bytes=64 * KiB, memory_bytes=1 * MiB)
     # 1 MiB / (4 regions x 64 KiB) = 4 pages -> floor(4 * 64 / 6) = 42 blocks addressed.
@@ -125,3 +133,29 @@ def test_every_reported_capacity_figure_is_exactly_allocatable(
         assert space.available() == g.capacity
         # All at once, too.
         assert len(space.alloc(g.capacity)) == g.capacity
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    page_kib=st.integers(1, 64).map(lambda k: 4 * k),
+    block_bytes=st.integers(1, 256 * KiB),
+    num_blocks=st.integers(1, 300),
+    layers=st.integers(1, 3),
+    layout=st.sampled_from(["per_layer", "contiguous"]),
+)
+def test_page_of_agrees_with_block_range_membership(
+    page_kib: int, block_bytes: int, num_blocks: int, layers: int, layout: str
+) -> None:
+    try:
+        g = Geometry(layers, 2, block_bytes, num_blocks, page_bytes=page_kib * KiB, layout=layout)  # type: ignore[arg-type]
+    except GeometryError:
+        return  # block larger than a page, or no whole block fits
+    owner: dict[int, int] = {}
+    for p in range(g.num_pages):
+        for b in g.block_range(p):
+            assert b not in owner
+            owner[b] = p
+    assert [g.page_of(b) for b in range(g.blocks)] == [owner.get(b) for b in range(g.blocks)]
+    for b in (-1, g.blocks):
+        with pytest.raises(IndexError):
+            g.page_of(b)
