@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 from . import _native
-from .errors import BackendError, InvalidBlocks, KVPoolError, PoolClosed, PoolExhausted
+from .errors import BackendError, InvalidBlocks, KVPoolError, LedgerError, PoolClosed, PoolExhausted
 
 native = _native
 
@@ -18,18 +18,27 @@ CODE_SHORTAGE: int = _native.CODE_SHORTAGE
 CODE_INVALID: int = _native.CODE_INVALID
 CODE_BACKEND: int = _native.CODE_BACKEND
 CODE_CLOSED: int = _native.CODE_CLOSED
+CODE_LEDGER: int = _native.CODE_LEDGER
 
 
 def raise_status(code: int, message: str, *, requested: int = 0, available: int = 0,
                  bad_ids: list[int] | None = None) -> NoReturn:
-    """Raise the kvpool error for a native failure code."""
+    """Raise the kvpool error for a native failure code.
+
+    ``bad_ids`` is given by calls that take block ids (free): their misuse is
+    :class:`InvalidBlocks`; any other misuse is a plain ``ValueError``.
+    """
     if code == CODE_SHORTAGE:
         # The plain shortage message only repeats the numbers; keep real causes
         # (an ENOSPC from the backend, an injected fault).
         detail = "" if message.startswith("requested ") else message
         raise PoolExhausted(requested, available, detail)
     if code == CODE_INVALID:
-        raise InvalidBlocks(message, bad_ids or [])
+        if bad_ids is not None:
+            raise InvalidBlocks(message, bad_ids)
+        raise ValueError(message)
+    if code == CODE_LEDGER:
+        raise LedgerError(message)
     if code == CODE_CLOSED:
         raise PoolClosed(message)
     if code == CODE_BACKEND:

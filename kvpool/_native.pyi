@@ -16,6 +16,8 @@ CODE_BACKEND: int = 3
 
 CODE_CLOSED: int = 4
 
+CODE_LEDGER: int = 5
+
 def cpu_granularity() -> int:
     """Smallest page size step of the CPU backend."""
 
@@ -34,9 +36,9 @@ class Space:
         All-or-nothing: (code, ids | None, available, pages committed inline, message).
         """
 
-    def free(self, ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple[int, list[int], int, str]:
+    def free(self, ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple[int, list[int], int, int, str]:
         """
-        Validates the whole batch first: (code, bad_ids, pages released inline, message).
+        Validates the whole batch first: (code, bad_ids, pages released inline, available after, message).
         """
 
     def available(self) -> int: ...
@@ -44,7 +46,10 @@ class Space:
     def trim(self) -> tuple[int, int, str]:
         """Release every idle committed page: (code, released, message)."""
 
-    def set_limit_pages(self, limit_pages: int) -> tuple[int, str]: ...
+    def set_limit(self, limit_bytes: int, revision: int) -> tuple[int, int, str]:
+        """
+        Set and apply this tenant's one limit (-1: none); in a pool under `revision` (-1: next): (code, result: 0 applied 1 stale 2 conflict 3 same, message).
+        """
 
     def set_reserve(self, min_pages: int, max_pages: int) -> tuple[int, str]: ...
 
@@ -74,27 +79,13 @@ class Space:
 
     def report_waiting(self, waiting: int) -> None: ...
 
-    def limit_pages(self) -> int: ...
-
     def ledger_limit(self) -> tuple[int, int]:
         """
         (limit bytes, revision) in the pool for this tenant; (-1, -1) without a pool.
         """
 
-    def set_pool_limit(self, limit_bytes: int, revision: int) -> int:
-        """0 applied, 1 stale, 2 conflict, 3 same; -1 without a pool."""
-
-    @property
-    def tenant_slot(self) -> int: ...
-
     @property
     def eventfd(self) -> int: ...
-
-    @property
-    def num_pages(self) -> int: ...
-
-    @property
-    def capacity(self) -> int: ...
 
     @property
     def closed(self) -> bool: ...
@@ -110,9 +101,6 @@ class Ledger:
 
     @property
     def committed_total(self) -> int: ...
-
-    @property
-    def generation(self) -> int: ...
 
     def tenants(self) -> list[tuple[int, int, str, int, int, int, int, int, int]]:
         """
@@ -134,9 +122,7 @@ class Ledger:
 def open_ledger(name: str, capacity: int, create: bool) -> tuple[int, str, object]:
     """Open (or create) a pool ledger: (code, message, Ledger | None)."""
 
-def valid_pool_name(name: str) -> bool: ...
-
-def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, limit_pages: int, device: str, ledger: Ledger | None, tenant: str) -> tuple[int, str, object]:
+def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, limit_bytes: int, device: str, ledger: Ledger | None, tenant: str) -> tuple[int, str, object]:
     """
     Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None).
     """

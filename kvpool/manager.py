@@ -182,6 +182,8 @@ class KVCacheManager:
         self._watch_scope: anyio.CancelScope | None = None
         self._watcher_gone: anyio.Event | None = None
         self._reported_waiting = 0
+        # The limit in force without a pool (in a pool it lives in the ledger:
+        # the construction limit went there at revision 0).
         self._limit_bytes = limit_bytes
         self._limit_revision = 0
         self._limit_state = LimitState.APPLIED
@@ -200,11 +202,12 @@ class KVCacheManager:
         if n > self._usable:
             raise ValueError(f"alloc({n}) can never be granted: the space holds {self._usable} usable blocks")
 
-    def _grant_now(self, n: int) -> BlockIds:
-        ids, committed = self.space._alloc(n)
+    def _grant_now(self, n: int) -> tuple[BlockIds, int]:
+        """n ids now (or PoolExhausted), and what is available after them."""
+        ids, committed, available = self.space._alloc(n)
         if committed and tracing.enabled(tracing.DEBUG):
             self._log.debug("pages.committed", pages=committed, by="alloc")
-        return ids
+        return ids, available
 
     def alloc_nowait(self, n: int, *, priority: int = 0) -> BlockIds:
         """n block ids now, or :class:`PoolExhausted` (never queues, never barges)."""
@@ -216,7 +219,7 @@ class KVCacheManager:
             self._log.info("alloc.shortage", requested=n, available=0, waiting=len(self._queue))
             raise PoolExhausted(n, 0, f"{len(self._queue)} earlier waiters are queued")
         try:
-            ids = self._grant_now(n)
+            ids = self._grant_now(n)[0]
         except PoolExhausted as e:
             self._counts["shortages"] += 1
             self._log.info("alloc.shortage", requested=n, available=e.available, waiting=0)
@@ -241,7 +244,7 @@ class KVCacheManager:
             return _EMPTY.copy()
         if not self._queue.has_waiters_at_or_before(priority):
             try:
-                ids = self._grant_now(n)
+                ids = self._grant_now(n)[0]
             except PoolExhausted:
                 pass
             else:
@@ -318,19 +321,24 @@ class KVCacheManager:
             return True
         return False
 
-    def _dispatch(self) -> None:
-        """Grant the longest head-first prefix of the queue that fits (one native call)."""
+    def _dispatch(self, available: int | None = None) -> None:
+        """Grant the longest head-first prefix of the queue that fits (one native call).
+
+        ``available`` is what the native call just before reported (free's),
+        so the hot path asks for it only when nobody told it.
+        """
         while len(self._queue) and not self._closed:
-            batch = self._queue.take_prefix(self.space.available())
+            batch = self._queue.take_prefix(self.space.available() if available is None else available)
             if not batch:
                 break
             total = sum(w.n for w in batch)
             try:
-                ids = self._grant_now(total)
+                ids, available = self._grant_now(total)
             except PoolExhausted:
                 self._queue.push_front(batch)  # e.g. out of memory at commit: wait for the next wake-up
                 break
             except KVPoolError as e:
+                available = None
                 for w in batch:
                     w.state, w.error = WaiterState.GONE, e
                     self._wake(w)
@@ -376,12 +384,12 @@ class KVCacheManager:
         """Give blocks back; waiters are served before any new arrival."""
         if self._closed:
             raise PoolClosed(f"manager {self.name!r} is closed")
-        n, released = self.space._free(blocks)
+        n, released, available = self.space._free(blocks)
         if tracing.enabled(tracing.DEBUG):  # per-request events stay cheap when filtered
             self._log.debug("free", n=n)
             if released:
                 self._log.debug("pages.released", pages=released, by="free")
-        self._dispatch()
+        self._dispatch(available)
         if self._limit_state is LimitState.DEFERRED:
             self._refresh_limit_state()
 
@@ -410,13 +418,11 @@ class KVCacheManager:
         elif revision == cur_rev:
             outcome = "same" if limit_bytes == cur_bytes else "conflict"
         else:
-            outcome = "applied"
-            if self.space.pool is not None:
-                code = self.space._space.set_pool_limit(-1 if limit_bytes is None else limit_bytes, revision)
-                outcome = ("applied", "stale", "conflict", "same")[code]  # lost a race with another setter
-            else:
+            # Sets and applies it natively (releases idle pages above it, wakes
+            # waiters); in a pool another setter may have won the race since.
+            outcome = self.space._set_limit(limit_bytes, revision)
+            if self.space.pool is None:
                 self._limit_bytes, self._limit_revision = limit_bytes, revision
-                self.space.set_limit(limit_bytes)
         if outcome == "stale":
             self._log.info("limit.stale", limit_bytes=limit_bytes, revision=revision, current=cur_rev)
             return LimitState.STALE
@@ -425,8 +431,6 @@ class KVCacheManager:
             return LimitState.CONFLICT
         if outcome == "same":
             return self._refresh_limit_state()
-        if self.space.pool is not None:
-            self.space._space.set_limit_pages(-1)  # apply now (the pool watcher would, a moment later)
         # Let the reserve thread give idle pages back before judging.
         await anyio.to_thread.run_sync(self.space.settle, 2.0)
         if self._closed:
@@ -438,22 +442,19 @@ class KVCacheManager:
     def _limit_setting(self) -> tuple[int | None, int]:
         """(limit bytes, revision) in force: the pool ledger's, or the local one."""
         if self.space.pool is not None:
-            lim, rev = self.space._space.ledger_limit()
-            return (None if lim < 0 else lim), rev
+            return self.space.limit_setting()
         return self._limit_bytes, self._limit_revision
 
-    def _effective_limit(self) -> int | None:
-        lims = [x for x in (self._limit_setting()[0], self._limit_bytes if self.space.pool is not None else None)
-                if x is not None]
-        return min(lims) if lims else None
-
-    def _refresh_limit_state(self, *, log: bool = True, force_log: bool = False) -> LimitState:
-        committed = self.space.stats().committed_bytes
-        lim = self._effective_limit()
-        new = LimitState.APPLIED if lim is None or committed <= lim else LimitState.DEFERRED
+    def _refresh_limit_state(self, s: SpaceStats | None = None, *, log: bool = True,
+                             force_log: bool = False) -> LimitState:
+        """Read the native verdict (from ``s``, a snapshot just taken, if given)."""
+        if s is None:
+            s = self.space.stats()
+        new = LimitState.DEFERRED if s.limit_deferred else LimitState.APPLIED
         if log and (force_log or new is not self._limit_state):
             event = "limit.applied" if new is LimitState.APPLIED else "limit.deferred"
-            self._log.info(event, limit_bytes=lim, revision=self._limit_setting()[1], committed_bytes=committed)
+            lim, rev = self._limit_setting()
+            self._log.info(event, limit_bytes=lim, revision=rev, committed_bytes=s.committed_bytes)
         self._limit_state = new
         return new
 
@@ -480,14 +481,17 @@ class KVCacheManager:
         return len(self._queue)
 
     def stats(self) -> ManagerStats:
-        s = self.space.stats()
+        s = self.space.stats()  # one snapshot: available and the limit verdict come from it too
         c = self._counts
         limit_bytes, limit_revision = self._limit_setting()
+        if not self._closed and (self._limit_state is LimitState.DEFERRED or self.space.pool is not None):
+            self._refresh_limit_state(s)
+        available = 0 if self._closed or self._queue.has_waiters_at_or_before(0) else s.available
         return ManagerStats(
             pool=self.pool, tenant=self.name, capacity=s.capacity, used_blocks=s.used_blocks,
-            available=0 if self._closed else self.available(), waiting=len(self._queue),
+            available=available, waiting=len(self._queue),
             waiting_blocks=self._queue.waiting_blocks, committed_bytes=s.committed_bytes,
-            limit_bytes=limit_bytes, limit_revision=limit_revision, limit_state=self.limit_state,
+            limit_bytes=limit_bytes, limit_revision=limit_revision, limit_state=self._limit_state,
             granted_at_once=c["at_once"], granted_after_wait=c["after_wait"], timeouts=c["timeouts"],
             cancellations=c["cancellations"], shortages=c["shortages"], space=s,
         )

@@ -49,6 +49,7 @@ class SpaceStats:
     committed_bytes: int
     page_commit_bytes: int
     limit_pages: int
+    limit_deferred: bool  # committed pages above the limit in force (the one verdict)
     allocs: int
     frees: int
     shortages: int
@@ -183,27 +184,29 @@ class KVSpace:
         self.geometry = geometry
         self.device = device
         self.null_block = null_block
-        limit_pages = self._limit_pages(limit_bytes)
+        limit = self._limit_arg(limit_bytes)
         self.pool = Pool(pool, device=device) if isinstance(pool, str) else pool
         self.name = name if name is not None else f"{os.getpid()}-{next(_tenant_ids)}"
         code, msg, space = _core.native.create_space(
             geometry.num_regions, geometry.page_bytes, geometry.region_block_bytes, geometry.blocks,
-            null_block, lo, hi, reserve_thread, limit_pages, device,
+            null_block, lo, hi, reserve_thread, limit, device,
             self.pool._ledger if self.pool is not None else None, self.name,
         )
         if space is None:
             if code == _core.CODE_INVALID:
                 raise GeometryError(f"cannot create KV space on {device}: {msg}")
-            _core.raise_status(code, f"cannot create KV space on {device}: {msg}")
+            # A shortage here is the null block's page not fitting: 1 block asked.
+            _core.raise_status(code, f"cannot create KV space on {device}: {msg}", requested=1)
         self._space = cast(_core.native.Space, space)
         self._regions: list[torch.Tensor] | None = None
 
-    def _limit_pages(self, limit_bytes: int | None) -> int:
+    @staticmethod
+    def _limit_arg(limit_bytes: int | None) -> int:
         if limit_bytes is None:
             return -1
         if limit_bytes < 0:
             raise ValueError(f"limit_bytes must be >= 0 or None, got {limit_bytes}")
-        return limit_bytes // self.geometry.page_commit_bytes
+        return int(limit_bytes)
 
     # -- allocation ---------------------------------------------------------
     def alloc(self, n: int) -> BlockIds:
@@ -214,29 +217,32 @@ class KVSpace:
         """
         return self._alloc(n)[0]
 
-    def _alloc(self, n: int) -> tuple[BlockIds, int]:
-        """``alloc`` that also returns the number of pages committed inline."""
+    def _alloc(self, n: int) -> tuple[BlockIds, int, int]:
+        """``alloc`` that also returns (pages committed inline, available after)."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
         code, ids, available, committed, msg = self._space.alloc(int(n))
         if code != _core.CODE_OK:
             _core.raise_status(code, msg, requested=int(n), available=available)
-        return cast(BlockIds, ids), committed
+        return cast(BlockIds, ids), committed, available
 
     def free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> None:
         """Free a batch of ids. Any bad id raises :class:`InvalidBlocks` and frees nothing."""
         self._free(blocks)
 
-    def _free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> tuple[int, int]:
-        """``free`` that returns (blocks freed, pages released inline)."""
+    def _free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> tuple[int, int, int | None]:
+        """``free`` that returns (blocks freed, pages released inline, available after).
+
+        Available is ``None`` when nothing was freed (no native call made).
+        """
         ids = _as_ids(blocks)
         if ids.size == 0:
             self._check_open()
-            return 0, 0
-        code, bad, released, msg = self._space.free(ids)
+            return 0, 0, None
+        code, bad, released, available, msg = self._space.free(ids)
         if code != _core.CODE_OK:
             _core.raise_status(code, msg, bad_ids=list(bad))
-        return int(ids.size), released
+        return int(ids.size), released, available
 
     def available(self) -> int:
         """Blocks a following ``alloc`` can deliver with no other actor in between."""
@@ -251,10 +257,27 @@ class KVSpace:
         return int(released)
 
     def set_limit(self, limit_bytes: int | None) -> None:
-        """Cap committed memory. Growth stops at once; pages go back as they empty."""
-        code, msg = self._space.set_limit_pages(self._limit_pages(limit_bytes))
+        """Cap committed memory. Growth stops at once; pages go back as they empty.
+
+        In a pool the limit lives in the ledger (the tenant's one limit, as
+        ``kvpool limit`` sets it) under the next revision.
+        """
+        self._set_limit(limit_bytes, -1)
+
+    def _set_limit(self, limit_bytes: int | None, revision: int) -> str:
+        """Set and apply the limit; in a pool under ``revision`` (-1: next).
+
+        Returns how it was taken: ``applied``, ``stale``, ``conflict`` or ``same``.
+        """
+        code, result, msg = self._space.set_limit(self._limit_arg(limit_bytes), revision)
         if code != _core.CODE_OK:
             _core.raise_status(code, msg)
+        return ("applied", "stale", "conflict", "same")[result]
+
+    def limit_setting(self) -> tuple[int | None, int]:
+        """(limit bytes, revision) in the pool ledger; ``(None, -1)`` without a pool."""
+        lim, rev = self._space.ledger_limit()
+        return (None if lim < 0 else lim), rev
 
     def set_reserve(self, min_pages: int, max_pages: int) -> None:
         code, msg = self._space.set_reserve(min_pages, max_pages)

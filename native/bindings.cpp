@@ -54,6 +54,7 @@ nb::typed<nb::dict, nb::str, nb::object> stats_dict(const kvpool::SpaceStats& s)
     d["committed_bytes"] = s.committed_bytes;
     d["page_commit_bytes"] = s.page_commit_bytes;
     d["limit_pages"] = s.limit_pages;
+    d["limit_deferred"] = s.limit_deferred;
     d["allocs"] = s.allocs;
     d["frees"] = s.frees;
     d["shortages"] = s.shortages;
@@ -80,6 +81,7 @@ NB_MODULE(_native, m) {
     m.attr("CODE_INVALID") = static_cast<int>(Code::Invalid);
     m.attr("CODE_BACKEND") = static_cast<int>(Code::Backend);
     m.attr("CODE_CLOSED") = static_cast<int>(Code::Closed);
+    m.attr("CODE_LEDGER") = static_cast<int>(Code::Ledger);
 
     m.def("cpu_granularity", &kvpool::cpu_granularity, "Smallest page size step of the CPU backend.");
     m.def("cuda_unavailable_reason", &kvpool::cuda_unavailable_reason, nb::call_guard<nb::gil_scoped_release>(),
@@ -137,15 +139,16 @@ NB_MODULE(_native, m) {
             "free",
             [](Space& s, IdInput ids) {
                 std::vector<int64_t> bad;
-                int64_t released = 0;
+                int64_t released = 0, available = 0;
                 Status st;
                 {
                     nb::gil_scoped_release nogil;
-                    st = s.free(ids.data(), static_cast<int64_t>(ids.shape(0)), &bad, &released);
+                    st = s.free(ids.data(), static_cast<int64_t>(ids.shape(0)), &bad, &released, &available);
                 }
-                return std::make_tuple(static_cast<int>(st.code), bad, released, st.message);
+                return std::make_tuple(static_cast<int>(st.code), bad, released, available, st.message);
             },
-            "ids"_a, "Validates the whole batch first: (code, bad_ids, pages released inline, message).")
+            "ids"_a,
+            "Validates the whole batch first: (code, bad_ids, pages released inline, available after, message).")
         .def("available", &Space::available, nb::call_guard<nb::gil_scoped_release>())
         .def(
             "trim",
@@ -160,16 +163,19 @@ NB_MODULE(_native, m) {
             },
             "Release every idle committed page: (code, released, message).")
         .def(
-            "set_limit_pages",
-            [](Space& s, int64_t limit) {
+            "set_limit",
+            [](Space& s, int64_t bytes, int64_t revision) {
+                kvpool::LimitResult r = kvpool::LimitResult::Applied;
                 Status st;
                 {
                     nb::gil_scoped_release nogil;
-                    st = s.set_limit_pages(limit);
+                    st = s.set_limit(bytes, revision, &r);
                 }
-                return std::make_tuple(static_cast<int>(st.code), st.message);
+                return std::make_tuple(static_cast<int>(st.code), static_cast<int>(r), st.message);
             },
-            "limit_pages"_a)
+            "limit_bytes"_a, "revision"_a,
+            "Set and apply this tenant's one limit (-1: none); in a pool under `revision` (-1: next): "
+            "(code, result: 0 applied 1 stale 2 conflict 3 same, message).")
         .def(
             "set_reserve",
             [](Space& s, int64_t lo, int64_t hi) {
@@ -240,28 +246,15 @@ NB_MODULE(_native, m) {
             nb::rv_policy::reference_internal, "All regions, back to back, as one DLPack-capable byte array.")
         .def_prop_ro("share_fd", &Space::share_fd, "The memfd another process can map (-1: none).")
         .def("report_waiting", &Space::report_waiting, "waiting"_a, nb::call_guard<nb::gil_scoped_release>())
-        .def("limit_pages", &Space::limit_pages, nb::call_guard<nb::gil_scoped_release>())
         .def(
             "ledger_limit",
             [](Space& s) {
-                Ledger* l = s.ledger();
-                if (!l) return std::make_tuple(int64_t{-1}, int64_t{-1});
-                return std::make_tuple(l->limit(s.tenant_slot()), l->limit_revision(s.tenant_slot()));
+                int64_t bytes = -1, revision = -1;
+                s.limit_setting(&bytes, &revision);
+                return std::make_tuple(bytes, revision);
             },
             "(limit bytes, revision) in the pool for this tenant; (-1, -1) without a pool.")
-        .def(
-            "set_pool_limit",
-            [](Space& s, int64_t bytes, int64_t revision) {
-                Ledger* l = s.ledger();
-                if (!l) return -1;
-                nb::gil_scoped_release nogil;
-                return static_cast<int>(l->set_limit(s.tenant_slot(), bytes, revision));
-            },
-            "limit_bytes"_a, "revision"_a, "0 applied, 1 stale, 2 conflict, 3 same; -1 without a pool.")
-        .def_prop_ro("tenant_slot", &Space::tenant_slot)
         .def_prop_ro("eventfd", &Space::eventfd)
-        .def_prop_ro("num_pages", &Space::num_pages)
-        .def_prop_ro("capacity", &Space::capacity)
         .def_prop_ro("closed", &Space::closed)
         .def("close", &Space::close, nb::call_guard<nb::gil_scoped_release>());
 
@@ -269,7 +262,6 @@ NB_MODULE(_native, m) {
         .def_prop_ro("name", &Ledger::name)
         .def_prop_ro("capacity", &Ledger::capacity)
         .def_prop_ro("committed_total", &Ledger::committed_total)
-        .def_prop_ro("generation", &Ledger::generation)
         .def(
             "tenants",
             [](Ledger& l) {
@@ -315,12 +307,11 @@ NB_MODULE(_native, m) {
             return std::make_tuple(static_cast<int>(st.code), st.message, obj);
         },
         "name"_a, "capacity"_a, "create"_a, "Open (or create) a pool ledger: (code, message, Ledger | None).");
-    m.def("valid_pool_name", &kvpool::valid_pool_name, "name"_a);
 
     m.def(
         "create_space",
         [](int64_t num_regions, int64_t page_bytes, int64_t block_bytes, int64_t num_blocks, bool null_block,
-           int64_t reserve_min, int64_t reserve_max, bool reserve_thread, int64_t limit_pages,
+           int64_t reserve_min, int64_t reserve_max, bool reserve_thread, int64_t limit_bytes,
            const std::string& device, std::shared_ptr<Ledger> ledger, const std::string& tenant) {
             Status st;
             std::unique_ptr<Space> space;
@@ -335,7 +326,10 @@ NB_MODULE(_native, m) {
                 cfg.reserve_min = reserve_min;
                 cfg.reserve_max = reserve_max;
                 cfg.reserve_thread = reserve_thread;
-                cfg.limit_pages = limit_pages;
+                // One limit per tenant: in a pool it lives in the ledger
+                // (revision 0), where `kvpool top` shows it; without one, here.
+                const int64_t pcb = num_regions * page_bytes;
+                cfg.limit_pages = ledger || limit_bytes < 0 || pcb <= 0 ? -1 : limit_bytes / pcb;
                 kvpool::BackendConfig bc{num_regions, kvpool::num_pages_for(page_bytes, block_bytes, num_blocks) * page_bytes,
                                          page_bytes};
                 std::unique_ptr<kvpool::Backend> backend;
@@ -347,14 +341,19 @@ NB_MODULE(_native, m) {
                     st = Status::make(Code::Invalid, "unknown device '" + device + "'");
                 }
                 int slot = -1;
-                if (backend && ledger) st = ledger->register_tenant(tenant, &slot);
+                if (backend && ledger) {
+                    st = ledger->register_tenant(tenant, limit_bytes, &slot);
+                    if (!st.is_ok()) st.code = Code::Ledger;  // the pool refused the tenant
+                }
+                // Space::create owns the slot from here: on failure it has
+                // unregistered it already. Never unregister it again here:
+                // with the GIL released another thread may hold it by now.
                 if (backend && st.is_ok()) space = Space::create(cfg, std::move(backend), ledger, slot, &st);
-                if (!space && slot >= 0) ledger->unregister_tenant(slot);
             }
             nb::object obj = space ? nb::cast(std::move(space)) : nb::none();
             return std::make_tuple(static_cast<int>(st.code), st.message, obj);
         },
         "num_regions"_a, "page_bytes"_a, "block_bytes"_a, "num_blocks"_a, "null_block"_a, "reserve_min"_a,
-        "reserve_max"_a, "reserve_thread"_a, "limit_pages"_a, "device"_a, "ledger"_a.none(), "tenant"_a,
+        "reserve_max"_a, "reserve_thread"_a, "limit_bytes"_a, "device"_a, "ledger"_a.none(), "tenant"_a,
         "Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None).");
 }

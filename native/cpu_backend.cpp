@@ -26,13 +26,6 @@
 namespace kvpool {
 namespace {
 
-std::string errno_text(const char* what, int err) {
-    char buf[256];
-    // GNU strerror_r returns a pointer that may or may not be buf.
-    const char* msg = strerror_r(err, buf, sizeof(buf));
-    return std::string(what) + ": " + msg + " (errno " + std::to_string(err) + ")";
-}
-
 // ENOSPC/ENOMEM from tmpfs mean "no memory now": an expected shortage.
 Code code_for_errno(int err) {
     return (err == ENOSPC || err == ENOMEM) ? Code::Shortage : Code::Backend;
@@ -81,7 +74,7 @@ public:
                 // All-or-nothing per page: give back the regions done so far.
                 for (int64_t q = 0; q < r; ++q) punch(q, page);
                 return Status::make(code_for_errno(err),
-                                    errno_text(("fallocate(page " + std::to_string(page) + ")").c_str(), err));
+                                    errno_text("fallocate(page " + std::to_string(page) + ")", err));
             }
         }
         return Status::ok();
@@ -93,7 +86,7 @@ public:
             if (punch(r, page) != 0) {
                 const int err = errno;
                 return Status::make(Code::Backend,
-                                    errno_text(("punch-hole(page " + std::to_string(page) + ")").c_str(), err));
+                                    errno_text("punch-hole(page " + std::to_string(page) + ")", err));
             }
         }
         return Status::ok();

@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -18,12 +19,6 @@
 
 namespace kvpool {
 namespace {
-
-std::string errno_text(const std::string& what, int err) {
-    char buf[256];
-    const char* msg = strerror_r(err, buf, sizeof(buf));
-    return what + ": " + msg + " (errno " + std::to_string(err) + ")";
-}
 
 long futex(std::atomic<uint32_t>* word, int op, uint32_t val, const struct timespec* ts) {
     // The generation word lives in MAP_SHARED memory: use the shared futex ops.
@@ -225,7 +220,7 @@ int Ledger::reap(bool check_start_time) {
     return r;
 }
 
-Status Ledger::register_tenant(const std::string& name, int* slot) {
+Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int* slot) {
     Status s = lock();
     if (!s.is_ok()) return s;
     reap_locked(true);
@@ -243,7 +238,7 @@ Status Ledger::register_tenant(const std::string& name, int* slot) {
         std::memset(t.name, 0, sizeof(t.name));
         std::strncpy(t.name, name.c_str(), sizeof(t.name) - 1);
         t.committed.store(0);
-        t.limit.store(-1);
+        t.limit.store(limit_bytes < 0 ? -1 : limit_bytes);
         t.limit_revision.store(0);
         t.limit_state.store(0);
         t.waiting.store(0);
@@ -313,24 +308,27 @@ int64_t Ledger::room(int slot) const {
     return std::max<int64_t>(0, r);
 }
 
-LimitResult Ledger::set_limit(int slot, int64_t bytes, int64_t revision) {
-    if (!lock().is_ok()) return LimitResult::Stale;
+int64_t Ledger::pool_room() const {
+    return std::max<int64_t>(0, hdr_->capacity - hdr_->committed_total.load(std::memory_order_acquire));
+}
+
+Status Ledger::set_limit(int slot, int64_t bytes, int64_t revision, LimitResult* result, int32_t verdict) {
+    Status s = lock();
+    if (!s.is_ok()) return s;
     TenantSlot& t = hdr_->tenants[slot];
     const int64_t cur = t.limit_revision.load();
-    LimitResult r;
-    if (revision < cur) r = LimitResult::Stale;
-    else if (revision == cur) r = t.limit.load() == bytes ? LimitResult::Same : LimitResult::Conflict;
+    if (revision < cur) *result = LimitResult::Stale;
+    else if (revision == cur) *result = t.limit.load() == bytes ? LimitResult::Same : LimitResult::Conflict;
     else {
         t.limit.store(bytes);
         t.limit_revision.store(revision);
-        // Judge at once (the tenant re-reports as it gives pages back), so a
-        // reader never sees a new limit next to the old verdict.
-        t.limit_state.store(bytes >= 0 && t.committed.load() > bytes ? 1 : 0);
+        if (verdict < 0) verdict = bytes >= 0 && t.committed.load() > bytes ? 1 : 0;
+        t.limit_state.store(verdict);
         bump_generation();
-        r = LimitResult::Applied;
+        *result = LimitResult::Applied;
     }
     unlock();
-    return r;
+    return Status::ok();
 }
 
 Status Ledger::set_limit_by_name(const std::string& tenant, int64_t bytes, int64_t revision, LimitResult* result) {
@@ -345,8 +343,7 @@ Status Ledger::set_limit_by_name(const std::string& tenant, int64_t bytes, int64
     }
     if (slot < 0) return Status::make(Code::Invalid, "pool '" + name_ + "' has no tenant '" + tenant + "'");
     if (revision < 0) revision = limit_revision(slot) + 1;
-    *result = set_limit(slot, bytes, revision);
-    return Status::ok();
+    return set_limit(slot, bytes, revision, result);
 }
 
 void Ledger::report(int slot, int32_t limit_state, int32_t waiting, int64_t reserve_pages) {

@@ -79,9 +79,10 @@ public:
     int64_t capacity() const { return hdr_->capacity; }
     int64_t committed_total() const { return hdr_->committed_total.load(std::memory_order_acquire); }
     uint32_t generation() const { return hdr_->generation.load(std::memory_order_acquire); }
-    std::atomic<uint32_t>* generation_word() { return &hdr_->generation; }
 
-    Status register_tenant(const std::string& name, int* slot);
+    // A new tenant starts with `limit_bytes` (-1 = none) at revision 0: a
+    // limit given at construction is the pool's one limit for it.
+    Status register_tenant(const std::string& name, int64_t limit_bytes, int* slot);
     void unregister_tenant(int slot);
     // Claim bytes for `slot`: Shortage (nothing claimed) if the pool or the
     // tenant's limit has no room.
@@ -89,11 +90,19 @@ public:
     void release(int slot, int64_t bytes);
     // Bytes `slot` could claim now (pool room and limit room), lock-free.
     int64_t room(int slot) const;
+    // Bytes the pool has unclaimed, whatever any tenant's limit (lock-free).
+    int64_t pool_room() const;
     int64_t limit(int slot) const { return hdr_->tenants[slot].limit.load(std::memory_order_acquire); }
     int64_t limit_revision(int slot) const {
         return hdr_->tenants[slot].limit_revision.load(std::memory_order_acquire);
     }
-    LimitResult set_limit(int slot, int64_t bytes, int64_t revision);
+    // Sets the limit if `revision` is newer and judges it at once (limit_state)
+    // so a reader never sees a new limit next to the old verdict. The tenant
+    // itself passes `verdict` (0 applied, 1 deferred: Space's one judgement);
+    // an operator in another process passes -1 and the ledger judges from
+    // the tenant's claimed bytes until the tenant re-reports (a moment later,
+    // its watcher wakes on the generation).
+    Status set_limit(int slot, int64_t bytes, int64_t revision, LimitResult* result, int32_t verdict = -1);
     // Set a limit by tenant name (operators); Invalid if no such tenant.
     Status set_limit_by_name(const std::string& tenant, int64_t bytes, int64_t revision, LimitResult* result);
     void report(int slot, int32_t limit_state, int32_t waiting, int64_t reserve_pages);

@@ -40,11 +40,12 @@ std::unique_ptr<Space> Space::create(const SpaceConfig& cfg, std::unique_ptr<Bac
                                    " reserve=(" + std::to_string(cfg.reserve_min) + ", " +
                                    std::to_string(cfg.reserve_max) + "); need all sizes > 0, "
                                    "block_bytes <= page_bytes and 0 <= min <= max");
+        if (ledger) ledger->unregister_tenant(slot);  // no Space owns the slot: give it back here
         return nullptr;
     }
     std::unique_ptr<Space> s(new Space(cfg, std::move(backend), std::move(ledger), slot));
     *status = s->init();
-    if (!status->is_ok()) return nullptr;
+    if (!status->is_ok()) return nullptr;  // ~Space -> close() unregisters the slot
     return s;
 }
 
@@ -76,7 +77,9 @@ Status Space::init() {
 
     if (cfg_.null_block) {
         // Block 0 is held from the start and never handed out; its page is
-        // pinned (committed for the space's lifetime).
+        // pinned (committed for the space's lifetime). The first alloc of a
+        // fresh space always yields block 0: page 0 holds floor(P/B) blocks,
+        // the most any page holds, and is first in its capacity bucket.
         int64_t id = -1, avail = 0;
         Status s = alloc(1, &id, &avail);
         if (!s.is_ok()) return s;
@@ -84,7 +87,6 @@ Status Space::init() {
         pages_[0].pinned = true;
         used_ -= 1;  // the null block is not a user block
         counters_.allocs -= 1;
-        if (id != 0) return Status::make(Code::Invalid, "null block is not block 0");
     }
     if (cfg_.reserve_thread) thread_ = std::thread([this] { thread_main(); });
     if (ledger_) watcher_ = std::thread([this] { watcher_main(); });
@@ -169,14 +171,37 @@ int64_t Space::limit_pages_locked() const {
     return lim;
 }
 
-int64_t Space::limit_pages() {
-    std::lock_guard<std::mutex> lk(mu_);
-    return limit_pages_locked();
+// The one limit verdict: committed pages (releasing ones still hold memory;
+// committing ones are not counted yet) above `limit_pages`. DEFERRED in
+// Python, limit_state 1 in the ledger, SpaceStats::limit_deferred: all read
+// this, nothing re-derives it.
+bool Space::deferred_under_locked(int64_t limit_pages) const {
+    return limit_pages >= 0 && n_active_ + n_reserve_ + n_releasing_ > limit_pages;
 }
+
+bool Space::limit_deferred_locked() const { return deferred_under_locked(limit_pages_locked()); }
 
 // Pages the pool would let this tenant claim now (pool room and its limit).
 int64_t Space::ledger_room_pages_locked() const {
     return ledger_ ? ledger_->room(slot_) / pcb_ : kUnlimited;
+}
+
+// Whether the pool's unclaimed room, rather than this tenant's own limit (its
+// local or pool limit), is what keeps a commit out: only then can reaping a
+// dead tenant help.
+bool Space::pool_is_short_locked() const {
+    if (!ledger_) return false;
+    const int64_t pool = ledger_->pool_room() / pcb_;
+    int64_t own = kUnlimited;
+    const int64_t lim = limit_pages_locked();
+    if (lim >= 0) own = std::max<int64_t>(0, lim - (n_active_ + n_reserve_ + n_committing_ + n_releasing_));
+    const int64_t lim_bytes = ledger_->limit(slot_);
+    if (lim_bytes >= 0) {
+        // Own claimed bytes, as the ledger's limit check counts them.
+        const int64_t claimed = (n_active_ + n_reserve_ + n_committing_ + n_releasing_) * pcb_;
+        own = std::min(own, std::max<int64_t>(0, lim_bytes - claimed) / pcb_);
+    }
+    return pool < own;
 }
 
 int64_t Space::headroom_locked() const {
@@ -210,9 +235,7 @@ void Space::unclaim_locked(int64_t pages) {
 
 void Space::report_locked() {
     if (!ledger_) return;
-    const int64_t lim = ledger_->limit(slot_);
-    const int64_t committed = (n_active_ + n_reserve_ + n_releasing_) * pcb_;
-    ledger_->report(slot_, (lim < 0 || committed <= lim) ? 0 : 1, waiting_.load(), n_reserve_);
+    ledger_->report(slot_, limit_deferred_locked() ? 1 : 0, waiting_.load(), n_reserve_);
 }
 
 void Space::report_waiting(int32_t waiting) {
@@ -334,6 +357,15 @@ void Space::take_locked(int32_t p, int64_t k, int64_t*& out) {
     if (pg.nfree > 0) bucket_insert(p);
 }
 
+// A RESERVE page (already off reserve_ and its counts) whose release
+// succeeded: FREE again, its claim returned to the pool.
+void Space::released_locked(int32_t p) {
+    pages_[p].state = PageState::Free;
+    free_push(p);
+    ++counters_.releases;
+    unclaim_locked(1);
+}
+
 void Space::return_block_locked(int64_t id) {
     const int32_t p = static_cast<int32_t>(block_page(cfg_.page_bytes, cfg_.block_bytes, id));
     Page& pg = pages_[p];
@@ -345,12 +377,9 @@ void Space::return_block_locked(int64_t id) {
     if (pg.nfree == pg.cap && !pg.pinned) {
         // Page emptied: it becomes idle reserve; the thread (or the inline
         // path below) decides whether to keep or release it.
-        pg.state = PageState::Reserve;
         --n_active_;
         partial_free_ -= pg.cap;
-        ++n_reserve_;
-        reserve_cap_ += pg.cap;
-        reserve_.push_back(p);
+        to_reserve_locked(p);
     } else {
         bucket_insert(p);
     }
@@ -406,8 +435,10 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
                     if (closed_) return Status::make(Code::Closed, "space is closed");
                     continue;
                 }
-                // Short of pool budget: a dead tenant may still hold some.
-                if (ledger_ && ledger_->reap(false) > 0) continue;
+                // Short of pool budget: a dead tenant may still hold some. Only
+                // then: a shortage under this tenant's own limit cannot be
+                // helped by reaping, and reaping reads /proc for every tenant.
+                if (k == 0 && pool_is_short_locked() && ledger_->reap(false) > 0) continue;
                 ++counters_.shortages;
                 *available = available_locked();
                 return Status::make(Code::Shortage, "requested " + std::to_string(n) + " blocks, " +
@@ -447,7 +478,7 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
             unclaim_locked(static_cast<int64_t>(plan.size()) - kept);  // a failed commit returns its claim
             counters_.last_error = s.message;
             if (s.code == Code::Shortage) ++counters_.shortages;
-            *available = partial_free_ + reserve_cap_;
+            *available = available_locked();
             return s;
         }
     }
@@ -499,9 +530,11 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
 
 // ------------------------------------------------------------------- free
 
-Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int64_t* released) {
+Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int64_t* released,
+                   int64_t* available) {
     std::unique_lock<std::mutex> lk(mu_);
     if (released) *released = 0;
+    if (available) *available = 0;
     if (closed_) return Status::make(Code::Closed, "space is closed");
     std::string why;
     std::vector<int64_t> marked;
@@ -540,6 +573,7 @@ Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int
         const int64_t r = release_inline_locked();
         if (released) *released = r;
     }
+    if (available) *available = available_locked();
     return Status::ok();
 }
 
@@ -559,14 +593,11 @@ int64_t Space::release_inline_locked() {
             break;  // the page stays idle reserve; books still match memory
         }
         reserve_.pop_back();
-        pages_[p].state = PageState::Free;
         --n_reserve_;
         reserve_cap_ -= pages_[p].cap;
-        free_push(p);
-        ++counters_.releases;
+        released_locked(p);
         ++counters_.inline_releases;
         ++released;
-        unclaim_locked(1);
     }
     if (released) report_locked();
     return released;
@@ -589,13 +620,10 @@ Status Space::trim(int64_t* released) {
             kept.push_back(p);
             continue;
         }
-        pages_[p].state = PageState::Free;
         --n_reserve_;
         reserve_cap_ -= pages_[p].cap;
-        free_push(p);
-        ++counters_.releases;
+        released_locked(p);
         ++*released;
-        unclaim_locked(1);
     }
     if (*released) report_locked();
     reserve_.insert(reserve_.end(), kept.rbegin(), kept.rend());
@@ -604,15 +632,41 @@ Status Space::trim(int64_t* released) {
     return result;
 }
 
-Status Space::set_limit_pages(int64_t limit_pages) {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (closed_) return Status::make(Code::Closed, "space is closed");
-    if (limit_pages < -1) return Status::make(Code::Invalid, "limit_pages must be >= -1");
-    cfg_.limit_pages = limit_pages;
+// A limit changed (here, or in the pool by anyone): give idle pages above it
+// back (reserve thread, or inline without one), let a refill that lacked
+// room retry, and publish the verdict.
+void Space::apply_limit_locked() {
+    commit_retry_at_ = {};
     if (cfg_.reserve_thread) cv_.notify_all();
     else release_inline_locked();
+    report_locked();
+}
+
+Status Space::set_limit(int64_t bytes, int64_t revision, LimitResult* result) {
+    std::lock_guard<std::mutex> lk(mu_);
+    *result = LimitResult::Applied;
+    if (closed_) return Status::make(Code::Closed, "space is closed");
+    if (bytes < -1) return Status::make(Code::Invalid, "limit_bytes must be >= 0, or -1 for none");
+    if (ledger_) {
+        // mu_ before the ledger's lock, as every claim takes them. The ledger
+        // stores this space's own verdict with the limit, at once.
+        if (revision < 0) revision = ledger_->limit_revision(slot_) + 1;
+        int64_t lim = bytes < 0 ? -1 : bytes / pcb_;
+        if (cfg_.limit_pages >= 0) lim = lim < 0 ? cfg_.limit_pages : std::min(lim, cfg_.limit_pages);
+        Status s = ledger_->set_limit(slot_, bytes, revision, result, deferred_under_locked(lim) ? 1 : 0);
+        if (!s.is_ok()) return s;
+        if (*result != LimitResult::Applied) return Status::ok();
+    } else {
+        cfg_.limit_pages = bytes < 0 ? -1 : bytes / pcb_;
+    }
+    apply_limit_locked();
     signal_eventfd();  // a raised limit is new capacity for whoever waits
     return Status::ok();
+}
+
+void Space::limit_setting(int64_t* bytes, int64_t* revision) const {
+    *bytes = ledger_ ? ledger_->limit(slot_) : -1;
+    *revision = ledger_ ? ledger_->limit_revision(slot_) : -1;
 }
 
 Status Space::set_reserve(int64_t min_pages, int64_t max_pages) {
@@ -623,9 +677,7 @@ Status Space::set_reserve(int64_t min_pages, int64_t max_pages) {
                                                " max=" + std::to_string(max_pages));
     cfg_.reserve_min = min_pages;
     cfg_.reserve_max = max_pages;
-    commit_retry_at_ = {};
-    if (cfg_.reserve_thread) cv_.notify_all();
-    else release_inline_locked();
+    apply_limit_locked();  // the same re-balancing: releases above max, refills below min
     return Status::ok();
 }
 
@@ -660,6 +712,7 @@ SpaceStats Space::stats() {
     s.page_commit_bytes = cfg_.num_regions * cfg_.page_bytes;
     s.committed_bytes = (n_active_ + n_reserve_ + n_releasing_) * s.page_commit_bytes;
     s.limit_pages = limit_pages_locked();
+    s.limit_deferred = limit_deferred_locked();
     return s;
 }
 
@@ -674,13 +727,23 @@ int64_t Space::allocated_bytes() {
 // Python state at all) and never holds mu_ across a syscall: it marks the
 // page COMMITTING/RELEASING, unlocks, runs the syscall, relocks.
 
-bool Space::thread_has_work_locked() const {
-    const auto now = std::chrono::steady_clock::now();
+// What the reserve thread wants to do. One definition for the thread and for
+// settle(), which must agree on "nothing left to do".
+Space::ThreadWork Space::thread_work_locked(std::chrono::steady_clock::time_point now) const {
+    ThreadWork w{};
     const int64_t lim = limit_pages_locked();
     const bool over_limit = n_reserve_ > 0 && lim >= 0 && n_active_ + n_reserve_ + n_committing_ > lim;
-    if ((over_limit || n_reserve_ > cfg_.reserve_max) && now >= release_retry_at_) return true;
-    return now >= commit_retry_at_ && n_reserve_ + n_committing_ < cfg_.reserve_min && headroom_now_locked() > 0 &&
-           !free_by_cap_.empty();
+    w.want_release = over_limit || n_reserve_ > cfg_.reserve_max;
+    w.want_commit = n_reserve_ + n_committing_ < cfg_.reserve_min && headroom_now_locked() > 0 &&
+                    !free_by_cap_.empty();
+    w.release_now = w.want_release && now >= release_retry_at_;
+    w.commit_now = w.want_commit && now >= commit_retry_at_;
+    return w;
+}
+
+bool Space::thread_has_work_locked() const {
+    const ThreadWork w = thread_work_locked(std::chrono::steady_clock::now());
+    return w.release_now || w.commit_now;
 }
 
 void Space::signal_eventfd() {
@@ -695,11 +758,8 @@ void Space::thread_main() {
     constexpr auto kRetry = std::chrono::milliseconds(200);
     std::unique_lock<std::mutex> lk(mu_);
     while (!stop_) {
-        const auto now = clock::now();
-        const int64_t lim = limit_pages_locked();
-        const bool over_limit = n_reserve_ > 0 && lim >= 0 && n_active_ + n_reserve_ + n_committing_ > lim;
-        const bool want_release = over_limit || n_reserve_ > cfg_.reserve_max;
-        if (want_release && now >= release_retry_at_) {
+        const ThreadWork work = thread_work_locked(clock::now());
+        if (work.release_now) {
             const int32_t p = reserve_.back();
             reserve_.pop_back();
             Page& pg = pages_[p];
@@ -715,10 +775,7 @@ void Space::thread_main() {
             --n_releasing_;
             releasing_caps_.erase(std::find(releasing_caps_.begin(), releasing_caps_.end(), pg.cap));
             if (s.is_ok()) {
-                pg.state = PageState::Free;
-                free_push(p);
-                ++counters_.releases;
-                unclaim_locked(1);
+                released_locked(p);
                 report_locked();
                 signal_eventfd();  // budget came back: a waiter under a limit may fit now
             } else {
@@ -730,9 +787,7 @@ void Space::thread_main() {
             cv_.notify_all();
             continue;
         }
-        const bool want_commit = n_reserve_ + n_committing_ < cfg_.reserve_min && headroom_now_locked() > 0 &&
-                                 !free_by_cap_.empty();
-        if (want_commit && now >= commit_retry_at_) {
+        if (work.commit_now) {
             Status cs;
             if (!claim_locked(1, &cs)) {
                 // The pool is full: wait for budget (a generation change
@@ -775,8 +830,8 @@ void Space::thread_main() {
         }
         cv_.notify_all();  // wake settle() waiters: nothing to do now
         auto wake_at = clock::time_point::max();
-        if (want_release) wake_at = std::min(wake_at, release_retry_at_);
-        if (want_commit) wake_at = std::min(wake_at, commit_retry_at_);
+        if (work.want_release) wake_at = std::min(wake_at, release_retry_at_);
+        if (work.want_commit) wake_at = std::min(wake_at, commit_retry_at_);
         if (wake_at == clock::time_point::max()) cv_.wait(lk);
         else cv_.wait_until(lk, wake_at);
     }
@@ -792,10 +847,7 @@ void Space::watcher_main() {
         {
             std::lock_guard<std::mutex> lk(mu_);
             if (stop_) return;
-            commit_retry_at_ = {};
-            if (cfg_.reserve_thread) cv_.notify_all();
-            else release_inline_locked();
-            report_locked();
+            apply_limit_locked();  // an operator may have set a limit in the pool
         }
         signal_eventfd();
         ledger_->wait_generation(seen, 1.0);

@@ -34,7 +34,7 @@ struct SpaceConfig {
     int64_t reserve_min = 1;   // idle committed pages the thread keeps ready
     int64_t reserve_max = 2;   // idle committed pages kept before releasing
     bool reserve_thread = true;
-    int64_t limit_pages = -1;  // cap on committed pages, -1 = none
+    int64_t limit_pages = -1;  // cap on committed pages, -1 = none (without a ledger)
 };
 
 struct SpaceStats {
@@ -42,6 +42,9 @@ struct SpaceStats {
     int64_t pages_free = 0, pages_committing = 0, pages_reserve = 0, pages_active = 0,
             pages_releasing = 0;
     int64_t committed_bytes = 0, page_commit_bytes = 0, limit_pages = -1;
+    // The one limit verdict (see Space::limit_deferred_locked): committed
+    // pages above the limit in force, waiting to be given back as they empty.
+    bool limit_deferred = false;
     int64_t allocs = 0, frees = 0, shortages = 0;
     int64_t commits = 0, releases = 0, inline_commits = 0, inline_releases = 0;
     int64_t commit_failures = 0, release_failures = 0;
@@ -54,7 +57,8 @@ class Space {
 public:
     // Returns nullptr and sets *status on failure.
     // With a ledger, every commit is claimed in the pool first (claim before
-    // commit) and every release returned; `slot` is this space's tenant slot.
+    // commit) and every release returned; `slot` is this space's tenant slot,
+    // owned from here on: a failed create unregisters it.
     static std::unique_ptr<Space> create(const SpaceConfig& cfg, std::unique_ptr<Backend> backend,
                                          std::shared_ptr<Ledger> ledger, int slot, Status* status);
     ~Space();
@@ -67,12 +71,22 @@ public:
     Status alloc(int64_t n, int64_t* out, int64_t* available, int64_t* committed = nullptr);
     // Validates the whole batch first; on any bad id changes nothing and
     // returns Invalid with the offending ids in *bad.
-    // *released (optional) = pages this call released inline.
-    Status free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int64_t* released = nullptr);
+    // *released (optional) = pages this call released inline; *available
+    // (optional) = available() after the call, so that a caller handing the
+    // freed blocks to waiters needs no second call.
+    Status free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int64_t* released = nullptr,
+                int64_t* available = nullptr);
     int64_t available();
     // Releases every idle (RESERVE) page now. *released = pages given back.
     Status trim(int64_t* released);
-    Status set_limit_pages(int64_t limit_pages);
+    // Sets this tenant's one limit (bytes, -1 = none) and applies it now:
+    // idle pages above it go back, a raised limit wakes waiters (eventfd).
+    // With a ledger the limit lives in the pool under `revision` (-1 = the
+    // next one) and *result says how the pool took it; without one it is
+    // local and always Applied.
+    Status set_limit(int64_t bytes, int64_t revision, LimitResult* result);
+    // The limit in force: (bytes, revision); (-1, -1) without a ledger.
+    void limit_setting(int64_t* bytes, int64_t* revision) const;
     Status set_reserve(int64_t min_pages, int64_t max_pages);
     // used/state per page; Invalid if a page id is out of range.
     Status page_occupancy(const int64_t* pages, int64_t n, int64_t* used, int64_t* state);
@@ -92,12 +106,8 @@ public:
     int64_t capacity() const { return capacity_; }
     int64_t num_pages() const { return static_cast<int64_t>(pages_.size()); }
     bool closed() const { return closed_.load(std::memory_order_acquire); }
-    // The pool ledger (nullptr without one) and this space's tenant slot.
-    Ledger* ledger() const { return ledger_.get(); }
-    int tenant_slot() const { return slot_; }
+    bool has_ledger() const { return ledger_ != nullptr; }
     void report_waiting(int32_t waiting);
-    // Effective limit in pages: the local one and the pool's, whichever is lower.
-    int64_t limit_pages();
     void close();
 
 private:
@@ -114,7 +124,11 @@ private:
     explicit Space(const SpaceConfig& cfg, std::unique_ptr<Backend> backend, std::shared_ptr<Ledger> ledger,
                    int slot);
     int64_t limit_pages_locked() const;
+    bool deferred_under_locked(int64_t limit_pages) const;
+    bool limit_deferred_locked() const;
+    void apply_limit_locked();
     int64_t ledger_room_pages_locked() const;
+    bool pool_is_short_locked() const;
     bool claim_locked(int64_t pages, Status* status);
     void unclaim_locked(int64_t pages);
     void report_locked();
@@ -137,6 +151,12 @@ private:
     void take_locked(int32_t p, int64_t k, int64_t*& out);
     void return_block_locked(int64_t id);
     void to_reserve_locked(int32_t p);
+    void released_locked(int32_t p);
+    struct ThreadWork {
+        bool want_release, want_commit;  // wanted, whatever the retry deadlines
+        bool release_now, commit_now;    // wanted and due now
+    };
+    ThreadWork thread_work_locked(std::chrono::steady_clock::time_point now) const;
     bool thread_has_work_locked() const;
     int64_t release_inline_locked();
     Status do_commit(int32_t p, int injected_err);

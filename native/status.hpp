@@ -2,6 +2,7 @@
 // across the C ABI and never abort()ed. The Python layer maps codes to the
 // kvpool.errors hierarchy.
 #pragma once
+#include <cstring>
 #include <string>
 #include <utility>
 
@@ -13,6 +14,7 @@ enum class Code : int {
     Invalid = 2,   // caller misuse (bad ids, bad arguments)
     Backend = 3,   // a syscall/driver failure that is not a shortage
     Closed = 4,    // the space was closed
+    Ledger = 5,    // the pool refused a tenant (duplicate name, no free slot)
 };
 
 struct Status {
@@ -23,5 +25,13 @@ struct Status {
     static Status make(Code c, std::string m) { return Status{c, std::move(m)}; }
     bool is_ok() const { return code == Code::Ok; }
 };
+
+// "what: <strerror> (errno N)" for a failed syscall.
+inline std::string errno_text(const std::string& what, int err) {
+    char buf[256];
+    // GNU strerror_r returns a pointer that may or may not be buf.
+    const char* msg = strerror_r(err, buf, sizeof(buf));
+    return what + ": " + msg + " (errno " + std::to_string(err) + ")";
+}
 
 }  // namespace kvpool

@@ -145,3 +145,14 @@ def test_page_occupancy_reports_state_and_use(make_space) -> None:
     assert [p.state for p in space.page_occupancy([0, 1])].count("reserve") == 1  # max 1 kept idle
     with pytest.raises(IndexError):
         space.page_occupancy([4])
+
+
+def test_misuse_that_involves_no_block_ids_is_a_value_error_not_invalid_blocks(make_space) -> None:
+    # Bug: every native Invalid became InvalidBlocks, so set_reserve(3, 1)
+    # raised "invalid blocks" though no block id was involved.
+    space = make_space()
+    with pytest.raises(ValueError, match="reserve needs 0 <= min <= max") as err:
+        space.set_reserve(3, 1)
+    assert not isinstance(err.value, InvalidBlocks)
+    with pytest.raises(InvalidBlocks):  # bad ids still are
+        space.free([10**6])

@@ -110,3 +110,44 @@ async def test_a_waiter_blocked_by_a_deferred_limit_is_granted_only_within_it(ma
     assert len(got) == 4
     assert manager.space.settle(5)
     assert manager.space.allocated_bytes() <= 3 * PAGE
+
+
+@pytest.mark.parametrize("reserve_thread", [False, True], ids=["inline", "thread"])
+async def test_a_pooled_construction_limit_is_the_one_limit_set_limit_replaces(reserve_thread: bool) -> None:
+    # Bug: in a pool, set_limit woke the native side with set_limit_pages(-1),
+    # which deleted the limit given at construction there while Python still
+    # counted it: after raising the limit an alloc within it succeeded, yet
+    # limit_state said DEFERRED, the ledger said applied and
+    # stats().limit_bytes was None (the construction limit was in no ledger).
+    async with KVCacheManager(G, reserve=(0, 1), reserve_thread=reserve_thread, limit_bytes=4 * PAGE) as m:
+        assert m.space.pool is not None
+        st = m.stats()
+        assert (st.limit_bytes, st.limit_revision, st.limit_state) == (4 * PAGE, 0, LimitState.APPLIED)
+        (me,) = [t for t in m.space.pool.tenants() if t.name == m.name]
+        assert me.limit_bytes == 4 * PAGE  # `kvpool top` shows it
+        with pytest.raises(PoolExhausted):
+            m.alloc_nowait(17)  # 5 pages: above the construction limit
+        assert await m.set_limit(10 * PAGE) is LimitState.APPLIED
+        await m.alloc(32)  # 8 pages: within the new limit
+        assert m.limit_state is LimitState.APPLIED
+        st = m.stats()
+        assert (st.limit_bytes, st.limit_revision, st.limit_state) == (10 * PAGE, 1, LimitState.APPLIED)
+        assert st.space.limit_pages == 10
+        (me,) = [t for t in m.space.pool.tenants() if t.name == m.name]
+        assert (me.limit_bytes, me.limit_state) == (10 * PAGE, "applied")
+        with pytest.raises(PoolExhausted):
+            m.alloc_nowait(9)  # 3 more pages: above the new limit
+
+
+async def test_the_manager_ledger_and_stats_share_one_deferred_verdict() -> None:
+    async with KVCacheManager(G, reserve=(0, 0), reserve_thread=False) as m:
+        assert m.space.pool is not None
+        ids = await m.alloc(16)  # 4 pages
+        assert await m.set_limit(2 * PAGE + 1) is LimitState.DEFERRED  # not a page multiple: 2 pages
+        (me,) = [t for t in m.space.pool.tenants() if t.name == m.name]
+        st = m.stats()
+        assert (st.limit_state, st.space.limit_deferred, me.limit_state) == (LimitState.DEFERRED, True, "deferred")
+        m.free(ids[:8])  # 2 pages in use: within 2 pages + 1 byte
+        (me,) = [t for t in m.space.pool.tenants() if t.name == m.name]
+        st = m.stats()
+        assert (st.limit_state, st.space.limit_deferred, me.limit_state) == (LimitState.APPLIED, False, "applied")

@@ -426,3 +426,51 @@ def test_a_new_limit_is_judged_at_once_even_if_the_tenant_cannot_report(
     finally:
         p.send_signal(signal.SIGCONT)
         stop(p)
+
+
+def test_a_duplicate_tenant_name_is_a_ledger_error_not_a_geometry_error(pool_name: str) -> None:
+    # Bug: every Invalid from create_space became GeometryError, so a name
+    # taken in the pool read as a bad geometry.
+    pool = Pool(pool_name, capacity=5 * PCB)
+    with KVSpace(G, pool=pool, name="same", reserve_thread=False):
+        with pytest.raises(LedgerError, match="already has a live tenant named 'same'"):
+            KVSpace(G, pool=pool, name="same", reserve_thread=False)
+        assert [t.name for t in pool.tenants()] == ["same"]
+
+
+def test_a_null_block_that_does_not_fit_the_pool_asks_for_one_block(pool_name: str) -> None:
+    # Bug: the shortage said "requested 0 blocks": the null block is one.
+    pool = Pool(pool_name, capacity=PCB // 2)
+    with pytest.raises(PoolExhausted) as err:
+        KVSpace(G, pool=pool, name="nb", null_block=True, reserve_thread=False)
+    assert (err.value.requested, err.value.available) == (1, 0)
+    assert pool.tenants() == [] and pool.committed == 0  # the failed space gave its slot back
+
+
+def test_a_failed_space_creation_never_unregisters_a_slot_another_thread_took(pool_name: str) -> None:
+    # Bug: create_space unregistered the tenant slot again after a failed
+    # Space::create, whose ~Space had already given it back; with the GIL
+    # released, another thread of this process could have registered in that
+    # slot meanwhile, and lost it (the pid matches) while its space lived on.
+    import threading
+
+    pool = Pool(pool_name, capacity=PCB // 2)  # no room for a null block's page
+    stop = threading.Event()
+
+    def fail_forever() -> None:
+        while not stop.is_set():
+            with pytest.raises(PoolExhausted):
+                KVSpace(G, pool=pool, name="failing", null_block=True, reserve_thread=False)
+
+    lost = 0
+    t = threading.Thread(target=fail_forever)
+    t.start()
+    try:
+        for i in range(300):
+            with KVSpace(G, pool=pool, name=f"live-{i}", reserve_thread=False):
+                if f"live-{i}" not in {x.name for x in pool.tenants()}:
+                    lost += 1
+    finally:
+        stop.set()
+        t.join()
+    assert lost == 0

@@ -66,3 +66,71 @@ def test_a_geometry_beyond_64_bit_offsets_is_refused() -> None:
 
     with pytest.raises(GeometryError, match="64-bit"):
         Geometry(1, 1, 1 << 40, 1 << 30, page_bytes=1 << 41)
+
+
+class _CountingSpace:
+    """Wraps a native space and records the name of every method called on it."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: object, **kwargs: object) -> object:
+            self.calls.append(name)
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.anyio
+async def test_a_free_that_grants_a_waiter_makes_two_native_calls() -> None:
+    # Hot path: with waiters queued, free made four native calls (free,
+    # available, alloc, available) though free and alloc both know what is
+    # available after them. Now: free, then the waiter's alloc.
+    import anyio
+
+    from kvpool import KVCacheManager
+
+    async with KVCacheManager(G, pool=None, reserve=(0, 0), reserve_thread=False) as m:
+        held = await m.alloc(G.capacity)
+        got: list[int] = []
+
+        async def want() -> None:
+            got.extend((await m.alloc(8)).tolist())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(want)
+            for _ in range(20):
+                await anyio.lowlevel.checkpoint()
+            assert m.waiting == 1
+            counting = _CountingSpace(m.space._space)
+            native, m.space._space = m.space._space, counting  # type: ignore[assignment]
+            try:
+                m.free(held[:8])
+            finally:
+                m.space._space = native
+            assert counting.calls == ["free", "alloc"]
+        assert len(got) == 8
+
+
+@pytest.mark.anyio
+async def test_manager_stats_take_one_space_snapshot() -> None:
+    # ManagerStats read the space twice (stats, then available; a third time
+    # for the limit verdict), so its fields could come from different moments.
+    from kvpool import KVCacheManager
+
+    async with KVCacheManager(G, pool=None, reserve=(0, 0), reserve_thread=False) as m:
+        await m.alloc(5)
+        counting = _CountingSpace(m.space._space)
+        native, m.space._space = m.space._space, counting  # type: ignore[assignment]
+        try:
+            st = m.stats()
+        finally:
+            m.space._space = native
+        assert counting.calls == ["stats"]
+        assert (st.used_blocks, st.available) == (5, G.capacity - 5)

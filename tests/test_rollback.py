@@ -79,3 +79,13 @@ def test_a_failed_release_keeps_the_page_and_the_books_straight(make_space) -> N
     assert space.allocated_bytes() == st.committed_bytes == G.page_commit_bytes
     assert space.trim() == 1
     assert space.allocated_bytes() == 0
+
+
+def test_a_failed_inline_commit_reports_what_is_really_available(make_space) -> None:
+    # Bug: the commit-failure path reported partial_free + idle reserve as
+    # available, not available(): a fresh space said 0 blocks while all 64 were.
+    space = make_space(G)
+    space._inject_fault("commit", 1, errno.ENOSPC)
+    with pytest.raises(PoolExhausted) as err:
+        space.alloc(8)
+    assert err.value.available == space.available() == 64
