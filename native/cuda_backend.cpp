@@ -117,10 +117,13 @@ public:
         size_t gran = 0;
         if ((r = d.cuMemGetAllocationGranularity(&gran, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) != CUDA_SUCCESS)
             return fail(d.text("cuMemGetAllocationGranularity", r));
-        if (gran == 0 || cfg_.page_bytes % static_cast<int64_t>(gran) != 0)
+        if (gran == 0 || cfg_.page_bytes % static_cast<int64_t>(gran) != 0) {
+            const int64_t g = gran == 0 ? 1 : static_cast<int64_t>(gran);
             return Status::make(Code::Invalid, "page_bytes (" + std::to_string(cfg_.page_bytes) +
                                                    ") is not a multiple of the CUDA granularity (" +
-                                                   std::to_string(gran) + ")");
+                                                   std::to_string(gran) + "); use page_bytes=" +
+                                                   std::to_string((cfg_.page_bytes + g - 1) / g * g));
+        }
         gran_ = gran;
         if ((r = d.cuMemAddressReserve(&base_, total(), gran_, 0, 0)) != CUDA_SUCCESS)
             return fail(d.text("cuMemAddressReserve", r));
@@ -180,15 +183,26 @@ public:
         Driver& d = driver();
         if (base_ == 0) return Status::make(Code::Closed, "space is closed");
         const size_t P = static_cast<size_t>(cfg_.page_bytes);
+        const CUmemGenericAllocationHandle h = handles_[static_cast<size_t>(page)];
         for (int64_t reg = 0; reg < cfg_.num_regions; ++reg) {
             const CUdeviceptr va = slice(reg, page);
             CUresult r = d.cuMemUnmap(va, P);
-            if (r != CUDA_SUCCESS) return Status::make(Code::Backend, d.text("cuMemUnmap", r));
+            if (r != CUDA_SUCCESS) {
+                // All-or-nothing, as commit: the page stays RESERVE (committed),
+                // so map the regions already on the zero page back to its memory.
+                for (int64_t q = 0; q < reg; ++q) {
+                    const CUdeviceptr vq = slice(q, page);
+                    d.cuMemUnmap(vq, P);
+                    d.cuMemMap(vq, P, P * static_cast<size_t>(q), h, 0);
+                    set_access(vq, P, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+                }
+                return Status::make(Code::Backend, d.text("cuMemUnmap", r));
+            }
             restore_zero(va);
         }
         // Freed, not recycled: the next commit gets a fresh allocation, so no
         // KV data crosses tenants (DESIGN.md invariant 6).
-        CUresult r = d.cuMemRelease(handles_[static_cast<size_t>(page)]);
+        CUresult r = d.cuMemRelease(h);
         handles_[static_cast<size_t>(page)] = 0;
         committed_ -= static_cast<int64_t>(P) * cfg_.num_regions;
         if (r != CUDA_SUCCESS) return Status::make(Code::Backend, d.text("cuMemRelease", r));

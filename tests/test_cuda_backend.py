@@ -146,6 +146,9 @@ def test_page_size_must_be_a_multiple_of_the_driver_granularity(fake: ctypes.CDL
     try:
         with pytest.raises(GeometryError, match=r"not a multiple of the CUDA granularity \(32768\)"):
             KVSpace(G, device="cuda:0")
+        # ... and names the fix (the page size rounded up to the granularity).
+        with pytest.raises(GeometryError, match=r"\(32768\); use page_bytes=32768$"):
+            KVSpace(G, device="cuda:0")
     finally:
         os.environ["FAKE_CUDA_GRANULARITY"] = str(FAKE_GRANULARITY)
     assert fake.fake_cuda_live_handles() == 0
@@ -176,3 +179,24 @@ def test_a_cuda_space_is_one_flat_memory_but_cannot_be_mapped_elsewhere(space: K
         base + r * G.region_bytes for r in range(G.num_regions)]
     with pytest.raises(BackendError, match="only CPU spaces"):
         space.shared_memory()
+
+
+def test_a_failed_unmap_in_release_maps_the_done_regions_back(space: KVSpace, fake: ctypes.CDLL) -> None:
+    # Bug: when a region's unmap failed at region > 0, the earlier regions were
+    # left on the read-only zero page while the page stayed committed (RESERVE):
+    # its data was gone from view and a write to it faulted.
+    ids = space.alloc(4)  # page 0 of every region
+    addr = [region_address(space, r) for r in range(G.num_regions)]
+    for r, a in enumerate(addr):
+        ctypes.memset(a, r + 1, 16)
+    fake.fake_cuda_fail(b"cuMemUnmap", 3, INVALID)  # release: regions 0, 1 unmap, region 2 fails
+    space.free(ids)  # no reserve kept: the emptied page is released inline, and that fails
+    st = space.stats()
+    assert (st.pages_reserve, st.release_failures) == (1, 1)  # still committed, kept as idle reserve
+    assert "cuMemUnmap" in st.last_error
+    assert space.allocated_bytes() == driver_bytes(fake) == PAGE_COMMIT
+    for r, a in enumerate(addr):  # every region sees its memory again, readable and writable
+        assert ctypes.string_at(a, 16) == bytes([r + 1]) * 16
+        ctypes.memset(a, 0, 16)  # would fault on the read-only zero page
+    assert space.trim() == 1
+    assert driver_bytes(fake) == 0

@@ -113,6 +113,8 @@ CUresult cuMemMap(CUdeviceptr p, size_t size, size_t off, CUmemGenericAllocation
     return m == MAP_FAILED ? ERR_INVALID_VALUE : OK;
 }
 CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
+    int e = injected("cuMemUnmap");
+    if (e) return e;
     void* m = mmap((void*)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
     return m == MAP_FAILED ? ERR_INVALID_VALUE : OK;
 }
