@@ -7,7 +7,6 @@ This is the thin wrapper of the foundation: every method is one native call
 from __future__ import annotations
 
 import itertools
-import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -171,13 +170,8 @@ class KVSpace:
         if not isinstance(geometry, Geometry):
             raise TypeError(f"geometry must be a kvpool.Geometry, got {type(geometry).__name__}")
         device = _normalize_device(device)
-        gran = int(_core.native.cpu_granularity())
-        if device == "cpu" and geometry.page_bytes % gran:
-            fix = math.ceil(geometry.page_bytes / gran) * gran
-            raise GeometryError(
-                f"page_bytes ({geometry.page_bytes}) is not a multiple of the {device} backend "
-                f"granularity ({gran}); use page_bytes={fix}"
-            )
+        if device == "cpu":
+            geometry.check_granularity(int(_core.native.cpu_granularity()), device)
         lo, hi = reserve
         if lo < 0 or hi < lo:
             raise ValueError(f"reserve needs 0 <= min <= max, got {reserve}")
