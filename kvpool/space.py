@@ -7,6 +7,7 @@ This is the thin wrapper of the foundation: every method is one native call
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
