@@ -6,11 +6,20 @@ static split of the same memory (see :mod:`kvpool.demo`).
 Operator commands on the pools of this host (they read and write the shared
 ledger only; no tenant process runs Python for them):
 
-- ``kvpool pools``: every pool with its capacity, committed bytes, tenants.
-- ``kvpool top [POOL]``: a live table of a pool's tenants (``--once`` for one
-  snapshot, ``--once --json`` for a JSON object).
+- ``kvpool pools``: every pool with its capacity, committed bytes, tenants,
+  marked ``stale`` when no live tenant is left; ``--gc`` removes those.
+- ``kvpool top [POOL]``: a live table of a pool's tenants (default pool:
+  ``$KVPOOL_POOL``, else ``default``; ``--once`` for one snapshot, ``--once
+  --json`` for a JSON object; piped, one table per interval).
 - ``kvpool limit POOL TENANT SIZE``: cap a tenant's committed bytes (``none``
   clears); prints ``applied``, ``same``, ``stale`` or ``conflict``.
+- ``kvpool metrics [POOL ...]``: the Prometheus text exposition, once, or
+  served on ``/metrics`` with ``--listen HOST:PORT`` (:mod:`kvpool.metrics`).
+
+Start-up: the operator commands never import torch, numpy or the manager
+(``kvpool/__init__.py`` loads those lazily); this module imports only the
+ledger handle at the top and the rest inside the command that needs it, so
+``kvpool pools`` costs an interpreter start and a ledger read.
 
 Exit codes: 0 success, 1 a limit that was not taken (stale / conflict),
 2 errors (missing pool, bad pool name, unknown tenant, bad arguments).
@@ -19,24 +28,20 @@ Exit codes: 0 success, 1 a limit that was not taken (stale / conflict),
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import os
 import re
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from rich.console import Console
-from rich.live import Live
-from rich.table import Table
-
-from . import demo as demo_mod
-from .errors import LedgerError
-from .geometry import MiB
-from .pool import Pool, list_pools
+from . import __version__
+from .errors import KVPoolError, LedgerError
+from .pool import Pool, check_pool_name, default_pool_name, ledger_path, list_pools
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
+MiB = 1 << 20
 
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmg](?:i?b)?|b)?\s*", re.IGNORECASE)
@@ -82,16 +87,61 @@ def _error(msg: object) -> int:
     return EXIT_ERROR
 
 
+def open_pool(name: str) -> Pool:
+    """Join an existing pool; a missing one's error names the pools that do exist."""
+    check_pool_name(name)
+    try:
+        return Pool(name, create=False)
+    except LedgerError as e:
+        others = list_pools()
+        if name in others:  # it exists but cannot be opened: the ledger's own reason says why
+            raise
+        hint = f"pools on this host: {', '.join(others)}" if others else "there is no pool on this host"
+        raise LedgerError(f"{e} ({hint}; `kvpool pools` lists them)") from None
+
+
+# ------------------------------------------------------------------ pools
+
+def _pool_row(name: str) -> dict[str, Any]:
+    try:
+        pool = Pool(name, create=False)
+        tenants = pool.tenants()  # reaps dead tenants: what is left is alive
+    except (KVPoolError, OSError) as e:  # another user's pool (0600), another ledger layout, ...
+        return {"name": name, "capacity": None, "committed": None, "tenants": None, "stale": None,
+                "error": str(e)}
+    return {"name": name, "capacity": pool.capacity, "committed": pool.committed, "tenants": len(tenants),
+            "stale": not tenants}
+
+
+def remove_if_stale(name: str) -> bool:
+    """Remove a pool's ledger if no live tenant is left in it; True if removed.
+
+    Liveness is the ledger's own: ``tenants()`` reaps the dead (pid + start
+    time) and returns the live. The file is removed only if it is still the
+    one that was checked (same inode), so a pool removed and made anew in
+    between is left alone. A tenant that joins between the check and the
+    unlink keeps working on the removed ledger (``Pool.remove``); that window
+    is one ``stat`` long.
+    """
+    path = ledger_path(name)
+    try:
+        before = os.stat(path).st_ino
+        if Pool(name, create=False).tenants():
+            return False
+        if os.stat(path).st_ino != before:
+            return False
+    except (KVPoolError, OSError):
+        return False  # unreadable or already gone: nothing of ours to remove
+    Pool.remove(name)
+    return True
+
+
 def pools(args: argparse.Namespace) -> int:
-    rows: list[dict[str, Any]] = []
-    for name in list_pools():
-        try:
-            pool = Pool(name, create=False)
-            tenants = pool.tenants()
-            rows.append({"name": name, "capacity": pool.capacity, "committed": pool.committed,
-                         "tenants": len(tenants)})
-        except LedgerError as e:  # another user's pool (0600), an incompatible ledger version, ...
-            rows.append({"name": name, "capacity": None, "committed": None, "tenants": None, "error": str(e)})
+    rows = [_pool_row(name) for name in list_pools()]
+    if args.gc:
+        for r in rows:
+            if r["stale"]:
+                r["removed"] = remove_if_stale(r["name"])
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
         print()
@@ -99,76 +149,70 @@ def pools(args: argparse.Namespace) -> int:
     if not rows:
         print("no pools on this host")
         return EXIT_OK
-    print(f"{'POOL':<24} {'CAPACITY MiB':>14} {'COMMITTED MiB':>14} {'TENANTS':>8}")
+    print(f"{'POOL':<24} {'CAPACITY MiB':>14} {'COMMITTED MiB':>14} {'TENANTS':>8}  STATUS")
     for r in rows:
         if "error" in r:
-            print(f"{r['name']:<24} {'?':>14} {'?':>14} {'?':>8}  ({r['error']})")
-        else:
-            print(f"{r['name']:<24} {_fmt_mib(r['capacity']):>14} {_fmt_mib(r['committed']):>14} {r['tenants']:>8}")
+            print(f"{r['name']:<24} {'?':>14} {'?':>14} {'?':>8}  unreadable: {r['error']}")
+            continue
+        status = "in use"
+        if r["stale"]:
+            status = "removed" if r.get("removed") else "stale: no live tenant"
+        print(f"{r['name']:<24} {_fmt_mib(r['capacity']):>14} {_fmt_mib(r['committed']):>14} "
+              f"{r['tenants']:>8}  {status}")
+    left = sum(1 for r in rows if r["stale"] and not r.get("removed"))
+    if left and not args.gc:
+        print(f"{left} pool(s) with no live tenant: `kvpool pools --gc` removes them")
     return EXIT_OK
 
 
-def _snapshot(pool: Pool) -> dict[str, Any]:
-    tenants = pool.tenants()  # reaps dead tenants first, so committed below is live-only
-    return {"pool": pool.name, "capacity": pool.capacity, "committed": pool.committed,
-            "tenants": [dataclasses.asdict(t) for t in tenants]}
-
-
-def _table(snap: dict[str, Any]) -> Table:
-    cap, used = snap["capacity"], snap["committed"]
-    pct = 100.0 * used / cap if cap else 0.0
-    table = Table(
-        title=(f"pool [bold]{snap['pool']}[/bold]: {_fmt_mib(used)} / {_fmt_mib(cap)} MiB committed "
-               f"({pct:.1f}%), {len(snap['tenants'])} tenants"),
-        title_justify="left",
-    )
-    table.add_column("TENANT")
-    table.add_column("PID", justify="right")
-    table.add_column("COMMITTED MiB", justify="right")
-    table.add_column("LIMIT MiB", justify="right")
-    table.add_column("WAITING", justify="right")
-    table.add_column("IDLE PAGES", justify="right")
-    table.add_column("LIMIT STATUS")
-    for t in snap["tenants"]:
-        state = t["limit_state"]
-        table.add_row(
-            t["name"], str(t["pid"]), _fmt_mib(t["committed_bytes"]), _fmt_mib(t["limit_bytes"]),
-            str(t["waiting"]), str(t["reserve_pages"]),
-            state if state == "applied" else f"[yellow]{state}[/yellow]",
-        )
-    return table
-
+# -------------------------------------------------------------------- top
 
 def top(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from . import _top
+
     if args.json and not args.once:
         return _error("--json needs --once")
     try:
-        pool = Pool(args.pool, create=False)
+        pool = open_pool(args.pool if args.pool is not None else default_pool_name())
     except LedgerError as e:
         return _error(e)
+    console = Console(highlight=False)  # no regex colouring of numbers inside cells
     if args.once:
-        snap = _snapshot(pool)
+        snap = _top.snapshot(pool)
         if args.json:
             json.dump(snap, sys.stdout, indent=2)
             print()
         else:
-            Console().print(_table(snap))
+            console.print(_top.render(snap, console))
         return EXIT_OK
     try:
-        with Live(_table(_snapshot(pool)), auto_refresh=False, screen=False) as live:
+        if not console.is_terminal:  # piped or logged: one whole table per interval, nothing redrawn
+            while True:
+                console.print(_top.render(_top.snapshot(pool), console))
+                console.print()
+                sys.stdout.flush()
+                time.sleep(args.interval)
+        from rich.live import Live
+
+        with Live(_top.render(_top.snapshot(pool), console), console=console, auto_refresh=False,
+                  screen=False) as live:
             while True:
                 time.sleep(args.interval)
-                live.update(_table(_snapshot(pool)), refresh=True)
+                live.update(_top.render(_top.snapshot(pool), console), refresh=True)
     except KeyboardInterrupt:
         return EXIT_OK
 
+
+# ------------------------------------------------------------------ limit
 
 _LIMIT_EXIT = {"applied": EXIT_OK, "same": EXIT_OK, "stale": EXIT_REFUSED, "conflict": EXIT_REFUSED}
 
 
 def limit(args: argparse.Namespace) -> int:
     try:
-        result = Pool(args.pool, create=False).set_limit(args.tenant, args.size, revision=args.revision)
+        result = open_pool(args.pool).set_limit(args.tenant, args.size, revision=args.revision)
     except (LedgerError, ValueError) as e:
         return _error(e)
     print(result)
@@ -185,19 +229,81 @@ def _revision(text: str) -> int:
     return v
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+# ---------------------------------------------------------------- metrics
+
+def host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``:PORT`` (every interface) or ``[::1]:PORT`` -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"bad address {text!r}: use HOST:PORT, e.g. 127.0.0.1:9464 or :9464")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return host or "0.0.0.0", int(port)
+
+
+def metrics(args: argparse.Namespace) -> int:
+    from . import metrics as metrics_mod
+
+    try:
+        for name in args.pools:
+            open_pool(name)  # a pool named at start-up must exist; later scrapes leave out one gone
+    except LedgerError as e:
+        return _error(e)
+    names = args.pools or None  # none named: every pool on the host, listed anew at each scrape
+    if args.listen is None:
+        sys.stdout.write(metrics_mod.exposition(names))
+        return EXIT_OK
+    import threading
+
+    from prometheus_client.exposition import start_http_server
+
+    host, port = args.listen
+    try:
+        server, thread = start_http_server(port, host, registry=metrics_mod.registry(names))
+    except OSError as e:
+        return _error(f"cannot listen on {host}:{port}: {e.strerror or e}")
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving http://{shown}:{server.server_port}/metrics", flush=True)
+    try:
+        threading.Event().wait()  # the server thread answers; this one waits for Ctrl-C
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+        thread.join()
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------- demo
+
+DEMO_HELP = "several engines share one pool, against a static split (CPU)"
+
+
+def demo(args: argparse.Namespace) -> int:
+    """``kvpool demo``: the only command that imports torch (and only here)."""
+    from . import demo as demo_mod
+
+    parser = argparse.ArgumentParser(prog="kvpool demo", description=DEMO_HELP)
+    demo_mod.add_arguments(parser)
+    return int(demo_mod.run(parser.parse_args(args.demo_args)))
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description="Elastic KV-cache allocator")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="several engines share one pool, against a static split (CPU)")
-    demo_mod.add_arguments(p)
-    p.set_defaults(func=demo_mod.run)
+    # The demo's own options live in kvpool.demo, which imports torch: they are
+    # parsed there, after the command is known (see main).
+    p = sub.add_parser("demo", help=DEMO_HELP, add_help=False)
+    p.set_defaults(func=demo)
 
     p = sub.add_parser("pools", help="list the pools on this host")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--gc", action="store_true", help="remove the pools that have no live tenant")
     p.set_defaults(func=pools)
 
     p = sub.add_parser("top", help="live table of a pool's tenants")
-    p.add_argument("pool", nargs="?", default="default", help="pool name (default: %(default)s)")
+    p.add_argument("pool", nargs="?", default=None,
+                   help="pool name (default: $KVPOOL_POOL, else 'default')")
     p.add_argument("--interval", type=_positive_float, default=1.0, metavar="SECONDS",
                    help="refresh period (default: %(default)s)")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
@@ -213,8 +319,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="limit revision (default: the tenant's current one + 1)")
     p.set_defaults(func=limit)
 
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    p = sub.add_parser("metrics", help="Prometheus metrics of the pools (printed once, or served)")
+    p.add_argument("pools", nargs="*", metavar="POOL", help="pools to export (default: every pool on this host)")
+    p.add_argument("--listen", type=host_port, default=None, metavar="HOST:PORT",
+                   help="serve /metrics on HOST:PORT (':9464' for every interface) until Ctrl-C")
+    p.set_defaults(func=metrics)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":
+        args.demo_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:  # `kvpool top | head`: the reader left; so do we, quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

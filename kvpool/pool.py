@@ -146,12 +146,25 @@ class Pool:
 
     @staticmethod
     def remove(name: str) -> None:
-        """Delete a pool's ledger file (tenants already attached keep working)."""
+        """Delete a pool's ledger file, ``/dev/shm/kvpool-<name>`` (missing: nothing to do).
+
+        A ledger outlives its last tenant (it is a file, not a process);
+        ``kvpool pools`` marks such pools ``stale`` and ``kvpool pools --gc``
+        removes them. Tenants still attached keep working on the removed
+        ledger, but a process that joins the name afterwards makes a new pool
+        with a budget of its own: remove a pool only when none of its
+        tenants is alive (``tenants()`` is empty), as ``--gc`` does.
+        """
         check_pool_name(name)
         try:
             os.unlink(os.path.join(_SHM, f"kvpool-{name}"))
         except FileNotFoundError:
             pass
+
+
+def ledger_path(name: str) -> str:
+    """Where a pool's ledger lives."""
+    return os.path.join(_SHM, f"kvpool-{check_pool_name(name)}")
 
 
 def list_pools() -> list[str]:

@@ -291,7 +291,8 @@ def test_pools_and_errors(tenants: Tenants, capsys: pytest.CaptureFixture[str]) 
     r = subprocess.run([exe, "pools", "--json"], cwd=tenants.cwd, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     rows = {p["name"]: p for p in json.loads(r.stdout)}
-    assert rows[tenants.pool] == {"name": tenants.pool, "capacity": CAPACITY, "committed": 4 * PCB, "tenants": 2}
+    assert rows[tenants.pool] == {"name": tenants.pool, "capacity": CAPACITY, "committed": 4 * PCB, "tenants": 2,
+                                  "stale": False}
     rc, out, err = run_main(capsys, "pools")
     assert rc == 0 and tenants.pool in out and "1.0" in out
 
@@ -322,13 +323,17 @@ def test_killed_tenant_leaves_top(tenants: Tenants, capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.timeout(60)
-def test_top_live_refreshes_and_exits_on_ctrl_c(tenants: Tenants) -> None:
+def test_top_piped_prints_one_table_per_interval_and_exits_on_ctrl_c(tenants: Tenants) -> None:
     tenants.start({"engine-a": 1})
-    proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "top", tenants.pool, "--interval", "0.1"],
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "top", tenants.pool, "--interval", "0.05"],
                             cwd=tenants.cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(2.0)  # interpreter start, first frame, a few refreshes
-        assert proc.poll() is None, proc.communicate()
+        assert proc.stdout is not None
+        frames = 0
+        while frames < 3:  # whole tables, one after another: the view refreshes
+            line = proc.stdout.readline()
+            assert line, proc.communicate()
+            frames += line.startswith(f"pool {tenants.pool}:")
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=20)
     finally:
@@ -337,7 +342,40 @@ def test_top_live_refreshes_and_exits_on_ctrl_c(tenants: Tenants) -> None:
             proc.communicate()
     assert proc.returncode == 0, err
     assert "Traceback" not in err
-    assert "engine-a" in out
+
+
+@pytest.mark.timeout(60)
+def test_top_on_a_terminal_redraws_live_and_exits_on_ctrl_c(tenants: Tenants) -> None:
+    import os
+    import pty
+
+    tenants.start({"engine-a": 1})
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "top", tenants.pool, "--interval", "0.05"],
+                            cwd=tenants.cwd, stdout=follower, stderr=subprocess.PIPE, text=True)
+    os.close(follower)
+    seen = b""
+    try:
+        while seen.count(b"engine-a") < 3:  # the first frame and two redraws
+            chunk = os.read(leader, 4096)
+            assert chunk, proc.communicate()
+            seen += chunk
+        assert b"\x1b[?25l" in seen  # a terminal gets the live view: cursor hidden, redrawn in place
+        proc.send_signal(signal.SIGINT)
+        while proc.poll() is None:
+            try:
+                if not os.read(leader, 4096):
+                    break
+            except OSError:  # EIO: the child closed the terminal
+                break
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        os.close(leader)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
 
 
 def test_size_parsing() -> None:
