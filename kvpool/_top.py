@@ -55,11 +55,11 @@ COLUMNS: tuple[tuple[str, str, Callable[[dict[str, Any]], str | Text]], ...] = (
     ("PID", "pid", lambda t: str(t["pid"])),
     ("COMMITTED", "committed_bytes", lambda t: fmt_mib(t["committed_bytes"])),
     ("LIMIT", "limit_bytes", lambda t: fmt_mib(t["limit_bytes"])),
+    ("STATUS", "limit_state", _limit_status),  # of the limit: applied, or deferred while use is above it
     ("GUARANTEE", "guarantee_bytes", lambda t: fmt_mib(t["guarantee_bytes"])),
     ("BORROWED", "borrowed_bytes", lambda t: fmt_mib(t["borrowed_bytes"])),
     ("WAITING", "waiting", lambda t: str(t["waiting"])),
     ("IDLE PAGES", "reserve_pages", lambda t: str(t["reserve_pages"])),
-    ("LIMIT STATUS", "limit_state", _limit_status),
 )
 
 
@@ -79,12 +79,14 @@ def _build(snap: dict[str, Any], names: list[str]) -> Table:
     table = Table(
         title=(f"pool [bold]{escape(snap['pool'])}[/bold]: {fmt_mib(used)} / {fmt_mib(cap)} MiB committed "
                f"({pct:.1f}%), {len(snap['tenants'])} tenants; sizes in MiB"),
-        title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+        # Two spaces between columns and none at the edges: the eight columns and a
+        # 17-character name fit 80 columns.
+        title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True,
     )
     table.add_column("TENANT", no_wrap=True)
     present = [c for c in COLUMNS if c[1] in _FIELDS]
     for header, _key, _cell in present:
-        table.add_column(header, justify="left" if header == "LIMIT STATUS" else "right", no_wrap=True)
+        table.add_column(header, justify="left" if header == "STATUS" else "right", no_wrap=True)
     for t, name in zip(snap["tenants"], names):
         table.add_row(Text(name), *(cell(t) for _h, _k, cell in present))
     return table
@@ -95,13 +97,13 @@ def render(snap: dict[str, Any], console: Console) -> RenderableType:
     names = [str(t["name"]) for t in snap["tenants"]]
     table = _build(snap, names)
     longest = max(map(len, names), default=0)
-    excess = console.measure(table).maximum - console.width
+    natural = console.measure(table, options=console.options.update_width(1 << 16)).maximum  # unconstrained
+    excess = natural - console.width
     if excess <= 0 or longest <= MIN_NAME:
         return table
     width = max(MIN_NAME, longest - excess)
     short = [shorten_middle(n, width) for n in names]
     if short == names:
         return table
-    note = Text("tenant names shortened to fit; `kvpool top --once --json` or a wider terminal shows them "
-                "whole", style="dim")
+    note = Text("names shortened to fit: `kvpool top --once --json` shows them whole", style="dim")
     return Group(_build(snap, short), note)

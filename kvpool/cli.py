@@ -280,8 +280,10 @@ DEMO_HELP = "several engines share one pool, against a static split (CPU)"
 
 def demo(args: argparse.Namespace) -> int:
     """``kvpool demo``: the only command that imports torch (and only here)."""
-    from . import demo as demo_mod
-
+    try:
+        from . import demo as demo_mod
+    except ImportError as e:
+        return _error(f"kvpool demo needs torch (the operator commands do not): {e}")
     parser = argparse.ArgumentParser(prog="kvpool demo", description=DEMO_HELP)
     demo_mod.add_arguments(parser)
     return int(demo_mod.run(parser.parse_args(args.demo_args)))

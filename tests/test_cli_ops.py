@@ -1,0 +1,302 @@
+"""Operator experience of the CLI: start-up without torch, finding pools,
+whole tenant names, stale pools and their removal.
+
+Tenants here are KV spaces of this test process (or a child killed to make a
+dead tenant); the CLI runs as its own process where start-up is the point,
+in this process (``main``) elsewhere. Every pool is private to its test.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from kvpool import Geometry, KVSpace, Pool, list_pools
+from kvpool import _top
+from kvpool.cli import main
+from kvpool.pool import ledger_path
+
+KiB = 1024
+MiB = 1 << 20
+GEOMETRY = Geometry(2, 2, 4 * KiB, 256, page_bytes=64 * KiB)  # one page commit: 256 KiB
+PCB = GEOMETRY.page_commit_bytes
+PER_PAGE = len(GEOMETRY.block_range(0))
+
+# Put on PYTHONPATH, this makes `import torch` (and numpy, and kvpool's
+# torch-dependent modules) raise ImportError in the CLI's process.
+NO_TORCH = textwrap.dedent(
+    """
+    import sys
+    for name in ("torch", "numpy", "kvpool.manager", "kvpool.space", "kvpool.demo", "kvpool.geometry"):
+        sys.modules[name] = None
+    """
+)
+
+
+@pytest.fixture
+def pools() -> Iterator[Callable[..., str]]:
+    """Make pools with private names; every one is removed at teardown."""
+    made: list[str] = []
+
+    def make(capacity: int = 64 * MiB) -> str:
+        name = f"test-ops-{uuid.uuid4().hex[:8]}"
+        Pool(name, capacity=capacity)
+        made.append(name)
+        return name
+
+    yield make
+    for name in made:
+        Pool.remove(name)
+
+
+def cli(cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        rc = main(list(args))
+    except SystemExit as e:  # argparse: --help, --version, bad arguments
+        rc = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.timeout(120)
+def test_operator_commands_work_with_torch_unimportable(
+    tmp_path: Path, pools: Callable[..., str], make_space: Callable[..., KVSpace]
+) -> None:
+    name = pools()
+    space = make_space(GEOMETRY, pool=Pool(name, create=False), name="engine-a")
+    space.alloc(PER_PAGE)
+    (tmp_path / "sitecustomize.py").write_text(NO_TORCH)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    probe = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert probe.returncode != 0 and "import of torch halted" in probe.stderr  # the shim works
+
+    r = cli(tmp_path, "pools", env=env)
+    assert r.returncode == 0 and name in r.stdout, r.stderr
+    r = cli(tmp_path, "pools", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    assert {p["name"]: p for p in json.loads(r.stdout)}[name]["committed"] == PCB
+    r = cli(tmp_path, "top", name, "--once", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    assert [(t["name"], t["committed_bytes"]) for t in json.loads(r.stdout)["tenants"]] == [("engine-a", PCB)]
+    r = cli(tmp_path, "top", name, "--once", env=env)
+    assert r.returncode == 0 and "engine-a" in r.stdout, r.stderr
+    r = cli(tmp_path, "limit", name, "engine-a", "1M", env=env)
+    assert (r.returncode, r.stdout) == (0, "applied\n"), r.stderr
+    r = cli(tmp_path, "metrics", name, env=env)
+    assert r.returncode == 0, r.stderr
+    assert f'kvpool_tenant_committed_bytes{{pool="{name}",tenant="engine-a"}} {float(PCB)}' in r.stdout
+    r = cli(tmp_path, "--version", env=env)
+    assert r.returncode == 0 and r.stdout.strip() == f"kvpool {importlib.metadata.version('kvpool')}"
+    # The demo is the command that needs torch: it says so instead of pretending.
+    r = cli(tmp_path, "demo", "--help", env=env)
+    assert r.returncode != 0 and "torch" in r.stderr
+
+
+def test_importing_kvpool_imports_no_torch() -> None:
+    code = "import sys, kvpool, kvpool.cli, kvpool.metrics; print(sorted(m for m in ('torch', 'numpy', " \
+           "'kvpool.manager', 'kvpool.space') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
+    assert (r.returncode, r.stdout.strip()) == (0, "[]"), r.stderr
+
+
+def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_main(capsys, "--version")
+    assert (rc, out.strip()) == (0, f"kvpool {importlib.metadata.version('kvpool')}")
+    rc, out, _ = run_main(capsys, "--help")
+    assert rc == 0
+    for command in ("demo", "pools", "top", "limit", "metrics"):
+        assert command in out
+    rc, out, _ = run_main(capsys, "demo", "--help")  # the demo's own options, from kvpool.demo
+    assert rc == 0 and "--engines" in out and "kvpool demo" in out
+    rc, _, err = run_main(capsys, "pools", "--bogus")
+    assert rc == 2 and "--bogus" in err
+
+
+def test_top_without_a_pool_name_uses_KVPOOL_POOL(
+    pools: Callable[..., str], make_space: Callable[..., KVSpace], capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    name = pools()
+    make_space(GEOMETRY, pool=Pool(name, create=False), name="engine-a")
+    monkeypatch.setenv("KVPOOL_POOL", name)
+    rc, out, err = run_main(capsys, "top", "--once", "--json")
+    assert rc == 0, err
+    snap = json.loads(out)
+    assert snap["pool"] == name and [t["name"] for t in snap["tenants"]] == ["engine-a"]
+
+
+def test_a_missing_pool_error_names_the_pools_that_exist(
+    pools: Callable[..., str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = pools()
+    for args in (("top", "no-such-pool-xyz", "--once"), ("limit", "no-such-pool-xyz", "engine-a", "1M"),
+                 ("metrics", "no-such-pool-xyz")):
+        rc, out, err = run_main(capsys, *args)
+        assert rc == 2 and out == "", args
+        assert "'no-such-pool-xyz' does not exist" in err and name in err and "kvpool pools" in err, err
+
+
+def snap_of(*names: str) -> dict[str, Any]:
+    """A snapshot as `top` reads it, with made-up tenants (rendering only)."""
+    tenants = [{"slot": i, "pid": 4_000_000 + i, "name": n, "committed_bytes": 3 * MiB, "limit_bytes": None,
+                "limit_revision": 0, "limit_state": "applied", "waiting": 2, "reserve_pages": 1}
+               for i, n in enumerate(names)]
+    return {"pool": "p", "capacity": 64 * MiB, "committed": 3 * MiB * len(names), "tenants": tenants}
+
+
+def rendered(snap: dict[str, Any], width: int) -> str:
+    console = Console(width=width, file=io.StringIO(), highlight=False, color_system=None)
+    console.print(_top.render(snap, console))
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert isinstance(out, str)
+    return out
+
+
+def test_top_shows_whole_tenant_names_and_pids_when_they_fit() -> None:
+    name = "vllm-serve-llama-3-8b-instruct-224567"
+    out = rendered(snap_of(name, "engine-0"), 120)
+    assert name in out and "4000000" in out and "shortened" not in out
+    for header in ("TENANT", "PID", "COMMITTED", "LIMIT", "WAITING", "IDLE PAGES", "STATUS"):
+        assert header in out  # on one line each: nothing wrapped
+
+
+def test_top_at_80_columns_shortens_long_names_in_the_middle_keeping_the_identifying_end() -> None:
+    long = "vllm-serve-meta-llama-3-70b-instruct-tp8-replica-b-" + "224567"
+    out = rendered(snap_of(long, "vllm-serve-meta-llama-3-70b-instruct-tp8-replica-b-224568"), 80)
+    assert all(len(line) <= 80 for line in out.splitlines())
+    assert "224567" in out and "224568" in out  # the ends that tell the two apart
+    assert "vllm-" in out and "…" in out and long not in out
+    assert "names shortened" in out and "--json" in out  # and where the whole names are
+    for header in ("TENANT", "PID", "COMMITTED", "WAITING", "IDLE PAGES", "STATUS"):
+        assert header in out
+
+
+def test_shorten_middle() -> None:
+    assert _top.shorten_middle("engine-0", 12) == "engine-0"
+    s = _top.shorten_middle("abcdefghijklmnopqrstuvwxyz", 11)
+    assert len(s) == 11 and s.startswith("abcde") and s.endswith("vwxyz") and "…" in s
+
+
+@pytest.mark.parametrize("name", ["[/x]", "[bold]engine[/bold]", "[link=x]y", "a]b[c"])
+def test_top_renders_names_that_look_like_markup_verbatim(name: str) -> None:
+    out = rendered(snap_of(name), 100)  # a markup parse of "[/x]" would raise MarkupError
+    assert name in out
+
+
+def test_top_shows_a_tenant_field_as_a_column_once_the_ledger_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    snap = snap_of("engine-0")
+    assert "GUARANTEE" not in rendered(snap, 120) or "guarantee_bytes" in _top._FIELDS
+    monkeypatch.setattr(_top, "_FIELDS", _top._FIELDS | {"guarantee_bytes"})
+    snap["tenants"][0]["guarantee_bytes"] = 5 * MiB
+    out = rendered(snap, 120)
+    assert "GUARANTEE" in out and "5.0" in out
+
+
+# ------------------------------------------------------------ stale pools
+
+DEAD_TENANT = textwrap.dedent(
+    """
+    import sys
+    from kvpool import Geometry, KVSpace, Pool
+    g = Geometry(2, 2, 4 * 1024, 256, page_bytes=64 * 1024)
+    space = KVSpace(g, pool=Pool(sys.argv[1], create=False), name="doomed", reserve_thread=False, reserve=(0, 0))
+    space.alloc(len(g.block_range(0)))
+    print("ready", flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def dead_tenant_pool(tmp_path: Path, name: str) -> None:
+    """Leave ``name`` with one tenant whose process was SIGKILLed holding a page."""
+    script = tmp_path / "dead.py"
+    script.write_text(DEAD_TENANT)
+    proc = subprocess.Popen([sys.executable, str(script), name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+
+
+@pytest.mark.timeout(120)
+def test_pools_marks_stale_pools_and_gc_removes_only_those(
+    tmp_path: Path, pools: Callable[..., str], make_space: Callable[..., KVSpace],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    live, empty, dead = pools(), pools(), pools()
+    make_space(GEOMETRY, pool=Pool(live, create=False), name="engine-a").alloc(PER_PAGE)
+    dead_tenant_pool(tmp_path, dead)
+    junk = f"test-ops-junk-{uuid.uuid4().hex[:6]}"  # not a ledger of this layout: never ours to judge
+    fd = os.open(ledger_path(junk), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    os.write(fd, b"not a ledger")
+    os.close(fd)
+    try:
+        rc, out, err = run_main(capsys, "pools", "--json")
+        assert rc == 0, err
+        rows = {r["name"]: r for r in json.loads(out)}
+        assert rows[live]["stale"] is False and rows[live]["tenants"] == 1
+        assert rows[empty]["stale"] is True and rows[empty]["tenants"] == 0
+        assert rows[dead]["stale"] is True and rows[dead]["committed"] == 0  # the dead tenant was reaped
+        assert rows[junk]["stale"] is None and "layout" in rows[junk]["error"]
+
+        rc, out, err = run_main(capsys, "pools")
+        assert rc == 0, err
+        lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("test-ops-")}
+        assert "in use" in lines[live] and "stale" in lines[empty] and "stale" in lines[dead]
+        assert "unreadable" in lines[junk]
+        assert "kvpool pools --gc" in out
+
+        rc, out, err = run_main(capsys, "pools", "--gc")
+        assert rc == 0, err
+        lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("test-ops-")}
+        assert "removed" in lines[empty] and "removed" in lines[dead]
+        names = set(list_pools())
+        assert live in names and junk in names and empty not in names and dead not in names
+        assert Pool(live, create=False).tenants()[0].committed_bytes == PCB  # untouched
+    finally:
+        os.unlink(ledger_path(junk))
+
+
+def test_gc_leaves_a_pool_whose_tenant_joined_after_listing(
+    pools: Callable[..., str], make_space: Callable[..., KVSpace], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import kvpool.cli as cli_mod
+
+    name = pools()
+    real = cli_mod._pool_row
+
+    def listed_then_joined(pool_name: str) -> dict[str, Any]:
+        row = real(pool_name)  # listed with no tenant ...
+        if pool_name == name:
+            make_space(GEOMETRY, pool=Pool(name, create=False), name="late")  # ... then one joins
+        return row
+
+    monkeypatch.setattr(cli_mod, "_pool_row", listed_then_joined)
+    rc, out, err = run_main(capsys, "pools", "--gc", "--json")
+    assert rc == 0, err
+    row = {r["name"]: r for r in json.loads(out)}[name]
+    assert row["stale"] is True and row["removed"] is False  # judged again at removal time
+    assert name in list_pools()
