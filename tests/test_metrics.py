@@ -1,0 +1,169 @@
+"""``kvpool metrics``: the Prometheus exposition of a pool's ledger.
+
+Tenants are KV spaces of this test process; the exporter reads the same
+ledger (in this process for the one-shot text, as its own process for the
+HTTP server). Every exposition is parsed with prometheus_client's own parser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool import Geometry, KVSpace, Pool, TenantInfo
+from kvpool import metrics as kvmetrics
+from kvpool.cli import host_port, main
+
+KiB = 1024
+MiB = 1 << 20
+GEOMETRY = Geometry(2, 2, 4 * KiB, 256, page_bytes=64 * KiB)  # one page commit: 256 KiB
+PCB = GEOMETRY.page_commit_bytes
+PER_PAGE = len(GEOMETRY.block_range(0))
+CAPACITY = 64 * MiB
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse(text: str) -> Samples:
+    """name + sorted labels -> value, for every sample of an exposition."""
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def tenant_key(name: str, pool: str, tenant: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    return (name, (("pool", pool), ("tenant", tenant)))
+
+
+@pytest.fixture
+def pool_name() -> Iterator[str]:
+    name = f"test-metrics-{uuid.uuid4().hex[:8]}"
+    Pool(name, capacity=CAPACITY)
+    yield name
+    Pool.remove(name)
+
+
+def test_exposition_matches_the_ledger(pool_name: str, make_space: Callable[..., KVSpace]) -> None:
+    pool = Pool(pool_name, create=False)
+    a = make_space(GEOMETRY, pool=pool, name="engine-a")
+    b = make_space(GEOMETRY, pool=pool, name="engine-b", reserve=(1, 1))
+    for _ in range(3):
+        a.alloc(PER_PAGE)
+    b.alloc(PER_PAGE)
+    assert pool.set_limit("engine-b", 8 * MiB) == "applied"
+
+    samples = parse(kvmetrics.exposition([pool_name]))
+    ledger = {t.name: t for t in pool.tenants()}
+    for name, t in ledger.items():
+        assert samples[tenant_key("kvpool_tenant_committed_bytes", pool_name, name)] == t.committed_bytes
+        assert samples[tenant_key("kvpool_tenant_waiting_requests", pool_name, name)] == t.waiting
+        assert samples[tenant_key("kvpool_tenant_idle_pages", pool_name, name)] == t.reserve_pages
+        assert samples[("kvpool_tenant_info", (("pid", str(t.pid)), ("pool", pool_name), ("slot", str(t.slot)),
+                                               ("tenant", name)))] == 1
+    assert ledger["engine-a"].committed_bytes == 3 * PCB
+    assert samples[tenant_key("kvpool_tenant_limit_bytes", pool_name, "engine-b")] == 8 * MiB
+    assert samples[tenant_key("kvpool_tenant_limit_revision", pool_name, "engine-b")] == 1
+    assert samples[tenant_key("kvpool_tenant_limit_deferred", pool_name, "engine-b")] == 0
+    # No limit is no sample (not a made-up 0, which would read as "may not grow").
+    assert tenant_key("kvpool_tenant_limit_bytes", pool_name, "engine-a") not in samples
+    assert samples[("kvpool_pool_capacity_bytes", (("pool", pool_name),))] == CAPACITY
+    assert samples[("kvpool_pool_committed_bytes", (("pool", pool_name),))] == pool.committed
+    assert samples[("kvpool_pool_tenants", (("pool", pool_name),))] == 2
+    # A field this ledger does not have yet gives no series at all.
+    if "guarantee_bytes" not in {f.name for f in dataclasses.fields(TenantInfo)}:
+        assert not any(k[0] == "kvpool_tenant_guarantee_bytes" for k in samples)
+
+
+def test_names_and_labels_follow_prometheus_conventions(pool_name: str,
+                                                        make_space: Callable[..., KVSpace]) -> None:
+    make_space(GEOMETRY, pool=Pool(pool_name, create=False), name="engine-a").alloc(PER_PAGE)
+    families = list(text_string_to_metric_families(kvmetrics.exposition([pool_name])))
+    assert families
+    for fam in families:
+        assert re.fullmatch(r"kvpool_(pool|tenant)_[a-z_]+", fam.name), fam.name
+        assert fam.type == "gauge" and fam.documentation
+        assert "bytes" not in fam.name or fam.name.endswith("_bytes")
+        for s in fam.samples:
+            assert set(s.labels) <= {"pool", "tenant", "pid", "slot"}
+            assert s.labels["pool"] == pool_name
+
+
+def test_a_tenant_field_the_ledger_gains_is_exported_without_new_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    row = SimpleNamespace(slot=0, pid=1, name="engine-a", committed_bytes=3 * MiB, limit_bytes=None,
+                          limit_revision=0, limit_state="applied", waiting=0, reserve_pages=0,
+                          guarantee_bytes=2 * MiB, borrowed_bytes=MiB)
+    monkeypatch.setattr(kvmetrics, "read_pool", lambda name: kvmetrics.PoolSample(name, CAPACITY, 3 * MiB, [row]))
+    samples = parse(kvmetrics.exposition(["p"]))
+    assert samples[tenant_key("kvpool_tenant_guarantee_bytes", "p", "engine-a")] == 2 * MiB
+    assert samples[tenant_key("kvpool_tenant_borrowed_bytes", "p", "engine-a")] == MiB
+
+
+def test_every_pool_when_none_is_named_and_a_vanished_one_is_left_out(
+    pool_name: str, make_space: Callable[..., KVSpace], capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_space(GEOMETRY, pool=Pool(pool_name, create=False), name="engine-a")
+    capsys.readouterr()
+    assert main(["metrics"]) == 0
+    samples = parse(capsys.readouterr().out)
+    assert ("kvpool_pool_capacity_bytes", (("pool", pool_name),)) in samples
+    collector = kvmetrics.PoolCollector([pool_name, "test-metrics-gone"])
+    names = {s.labels["pool"] for fam in collector.collect() for s in fam.samples}
+    assert names == {pool_name}
+
+
+def test_bad_listen_addresses_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert host_port("127.0.0.1:9464") == ("127.0.0.1", 9464)
+    assert host_port(":9464") == ("0.0.0.0", 9464)
+    assert host_port("[::1]:9464") == ("::1", 9464)
+    for bad in ("9464", "host:", "host:http", "host:70000"):
+        with pytest.raises(SystemExit) as e:
+            main(["metrics", "--listen", bad])
+        assert e.value.code == 2
+        assert "bad address" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_listen_serves_metrics_that_follow_the_ledger(pool_name: str, make_space: Callable[..., KVSpace],
+                                                      tmp_path: Path) -> None:
+    pool = Pool(pool_name, create=False)
+    space = make_space(GEOMETRY, pool=pool, name="engine-a")
+    space.alloc(PER_PAGE)
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "metrics", pool_name, "--listen", "127.0.0.1:0"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # printed once the socket is listening
+        m = re.fullmatch(r"serving (http://127\.0\.0\.1:\d+/metrics)\n", line)
+        assert m, (line, proc.communicate(timeout=20))
+        url = m.group(1)
+
+        def scrape() -> Samples:
+            with urllib.request.urlopen(url, timeout=30) as resp:
+                assert resp.status == 200
+                assert resp.headers["Content-Type"].startswith("text/plain")
+                return parse(resp.read().decode())
+
+        key = tenant_key("kvpool_tenant_committed_bytes", pool_name, "engine-a")
+        assert scrape()[key] == pool.tenants()[0].committed_bytes == PCB
+        space.alloc(2 * PER_PAGE)  # each scrape reads the ledger anew
+        assert scrape()[key] == pool.tenants()[0].committed_bytes == 3 * PCB
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and "Traceback" not in err, err
