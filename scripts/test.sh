@@ -4,9 +4,13 @@
 # cached venv (scripts/vllm_venv.sh). KVPOOL_SKIP_VLLM=1 leaves them out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/_progress.sh
 scripts/setup.sh test
 if [[ "${KVPOOL_SKIP_VLLM:-0}" != "1" ]]; then
   KVPOOL_VLLM_PYTHON="$(scripts/vllm_venv.sh)"
   export KVPOOL_VLLM_PYTHON KVPOOL_REQUIRE_VLLM=1
+else
+  step "KVPOOL_SKIP_VLLM=1: the vllm tests are left out"
 fi
+step "running pytest $*"
 exec "${KVPOOL_VENV:-.venv}/bin/pytest" "$@"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -58,3 +59,30 @@ def test_engine_benchmark_runs_quick_against_real_vllm(tmp_path: pathlib.Path) -
     assert res["blockpool"]["available"] and res["blockpool"]["ratios"]
     gen = res["generation"]
     assert gen["available"] and gen["tokens_identical"] is True and gen["ratio_tokens_per_s"] > 0
+
+
+SETUP_SCRIPTS = ("setup.sh", "demo.sh", "test.sh", "vllm_venv.sh")
+
+
+def test_progress_lines_go_to_stderr_with_the_elapsed_time() -> None:
+    res = subprocess.run(["bash", "-c", ". scripts/_progress.sh; step building kvpool"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin", "KVPOOL_T0": "0"})
+    assert res.returncode == 0 and res.stdout == "", res.stderr  # stdout stays the caller's (demo --json)
+    assert re.fullmatch(r"\[kvpool +\d+s\] building kvpool\n", res.stderr), res.stderr
+
+
+# A command that can take minutes: a venv, a pip install (not the pip self-update), pytest, the demo.
+LONG_STEP = re.compile(r"-m venv|pip install (?!-q --upgrade pip)|bin/pytest|bin/kvpool\" demo")
+
+
+@pytest.mark.parametrize("script", SETUP_SCRIPTS)
+def test_every_long_setup_step_announces_itself_first(script: str) -> None:
+    lines = [ln.strip() for ln in (ROOT / "scripts" / script).read_text().splitlines()]
+    assert ". scripts/_progress.sh" in lines
+    announced = False
+    for ln in lines:
+        if ln.startswith("step "):
+            announced = True
+        elif LONG_STEP.search(ln):
+            assert announced, f"{script}: {ln!r} runs without a progress line before it"
+            announced = False
