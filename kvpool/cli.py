@@ -6,8 +6,9 @@ static split of the same memory (see :mod:`kvpool.demo`).
 Operator commands on the pools of this host (they read and write the shared
 ledger only; no tenant process runs Python for them):
 
-- ``kvpool pools``: every pool with its capacity, committed bytes, tenants,
-  marked ``stale`` when no live tenant is left; ``--gc`` removes those.
+- ``kvpool pools [POOL ...]``: every pool (or the named ones) with its
+  capacity, committed bytes, tenants, marked ``stale`` when no live tenant is
+  left; ``--gc`` removes those.
 - ``kvpool top [POOL]``: a live table of a pool's tenants (default pool:
   ``$KVPOOL_POOL``, else ``default``; ``--once`` for one snapshot, ``--once
   --json`` for a JSON object; piped, one table per interval).
@@ -137,7 +138,16 @@ def remove_if_stale(name: str) -> bool:
 
 
 def pools(args: argparse.Namespace) -> int:
-    rows = [_pool_row(name) for name in list_pools()]
+    names = list_pools()
+    if args.pools:  # only these (and a named pool that does not exist is an error, not a silent no-op)
+        try:
+            for name in args.pools:
+                if name not in names:
+                    open_pool(name)
+        except LedgerError as e:
+            return _error(e)
+        names = [n for n in names if n in set(args.pools)]
+    rows = [_pool_row(name) for name in names]
     if args.gc:
         for r in rows:
             if r["stale"]:
@@ -149,16 +159,17 @@ def pools(args: argparse.Namespace) -> int:
     if not rows:
         print("no pools on this host")
         return EXIT_OK
-    print(f"{'POOL':<24} {'CAPACITY MiB':>14} {'COMMITTED MiB':>14} {'TENANTS':>8}  STATUS")
+    w = max(len("POOL"), *(len(r["name"]) for r in rows))  # whole names: `top` and `limit` need them
+    print(f"{'POOL':<{w}}  {'CAPACITY MiB':>12}  {'COMMITTED MiB':>13}  {'TENANTS':>7}  STATUS")
     for r in rows:
         if "error" in r:
-            print(f"{r['name']:<24} {'?':>14} {'?':>14} {'?':>8}  unreadable: {r['error']}")
+            print(f"{r['name']:<{w}}  {'?':>12}  {'?':>13}  {'?':>7}  unreadable: {r['error']}")
             continue
         status = "in use"
         if r["stale"]:
             status = "removed" if r.get("removed") else "stale: no live tenant"
-        print(f"{r['name']:<24} {_fmt_mib(r['capacity']):>14} {_fmt_mib(r['committed']):>14} "
-              f"{r['tenants']:>8}  {status}")
+        print(f"{r['name']:<{w}}  {_fmt_mib(r['capacity']):>12}  {_fmt_mib(r['committed']):>13}  "
+              f"{r['tenants']:>7}  {status}")
     left = sum(1 for r in rows if r["stale"] and not r.get("removed"))
     if left and not args.gc:
         print(f"{left} pool(s) with no live tenant: `kvpool pools --gc` removes them")
@@ -299,8 +310,10 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=demo)
 
     p = sub.add_parser("pools", help="list the pools on this host")
+    p.add_argument("pools", nargs="*", metavar="POOL", help="only these pools (default: every pool)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.add_argument("--gc", action="store_true", help="remove the pools that have no live tenant")
+    p.add_argument("--gc", action="store_true",
+                   help="remove the listed pools that have no live tenant (never one with a live tenant)")
     p.set_defaults(func=pools)
 
     p = sub.add_parser("top", help="live table of a pool's tenants")

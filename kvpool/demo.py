@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .demo_report import plot, summary_table
 from .geometry import Geometry
 from .manager import KVCacheManager
 from .pool import Pool
@@ -441,50 +442,6 @@ def check_correctness(model: TinyDecoder, trace: list[Request], outputs: dict[st
 
 # ------------------------------------------------------------------- report
 
-def plot(results: dict[str, dict[str, Any]], path: str, engines: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for ax, mode in zip(axes, ("elastic", "static")):
-        res = results[mode]
-        t = [row["t"] for row in res["timeline"]]
-        for e in range(engines):
-            ax.plot(t, [row[f"engine-{e}"] / 2**20 for row in res["timeline"]], label=f"engine {e}")
-        ax.axhline(res["pool_bytes"] / 2**20, color="black", linestyle="--", linewidth=1, label="pool")
-        if res["slice_bytes"]:
-            ax.axhline(res["slice_bytes"] / 2**20, color="grey", linestyle=":", linewidth=1, label="static slice")
-        ax.set_title(f"{mode}: {res['tokens_per_s']:.0f} tok/s, TTFT p99 {res['ttft_p99_s']:.2f} s")
-        ax.set_ylabel("committed MiB")
-        ax.legend(loc="upper right", fontsize=8)
-    axes[-1].set_xlabel("seconds")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def summary_table(results: dict[str, dict[str, Any]]) -> Any:
-    from rich.table import Table
-
-    el, st = results["elastic"], results["static"]
-    table = Table(title="kvpool demo: elastic pool vs static split (same trace, same memory)")
-    for col in ("engine", "mode", "requests", "tok/s", "TTFT p50 s", "TTFT p99 s", "wait s", "peak MiB"):
-        table.add_column(col, justify="right")
-    for e in range(len(el["engines"])):
-        for res in (el, st):
-            p = res["engines"][e]
-            table.add_row(str(e), res["mode"], str(p["requests"]), f"{p['tokens_per_s']:.0f}",
-                          f"{p['ttft_p50_s']:.2f}", f"{p['ttft_p99_s']:.2f}", f"{p['wait_s']:.1f}",
-                          f"{p['peak_committed_bytes'] / 2**20:.1f}")
-    for res in (el, st):
-        table.add_row("all", res["mode"], str(res["requests"]), f"{res['tokens_per_s']:.0f}",
-                      f"{res['ttft_p50_s']:.2f}", f"{res['ttft_p99_s']:.2f}", f"{res['wait_s']:.1f}", "",
-                      style="bold")
-    return table
-
-
 def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     el, st = results["elastic"], results["static"]
 
@@ -505,7 +462,7 @@ async def main_async(args: argparse.Namespace) -> int:
     from rich.live import Live
     from rich.table import Table
 
-    console = Console(stderr=args.json)
+    console = Console(stderr=args.json, highlight=False)  # "0.40x" would print as cyan "0." + "4" + cyan "0x"
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     if args.engines < 1 or args.pool_mib < 1 or args.duration <= 0 or args.burst < 1:
         print("kvpool demo: --engines, --pool-mib and --burst must be >= 1, --duration > 0", file=sys.stderr)

@@ -253,28 +253,32 @@ def test_pools_marks_stale_pools_and_gc_removes_only_those(
     os.write(fd, b"not a ledger")
     os.close(fd)
     try:
-        rc, out, err = run_main(capsys, "pools", "--json")
+        mine = (live, empty, dead, junk)  # never other pools of this host: --gc would judge them too
+        rc, out, err = run_main(capsys, "pools", "--json", *mine)
         assert rc == 0, err
         rows = {r["name"]: r for r in json.loads(out)}
+        assert set(rows) == set(mine)
         assert rows[live]["stale"] is False and rows[live]["tenants"] == 1
         assert rows[empty]["stale"] is True and rows[empty]["tenants"] == 0
         assert rows[dead]["stale"] is True and rows[dead]["committed"] == 0  # the dead tenant was reaped
         assert rows[junk]["stale"] is None and "layout" in rows[junk]["error"]
 
-        rc, out, err = run_main(capsys, "pools")
+        rc, out, err = run_main(capsys, "pools", *mine)
         assert rc == 0, err
         lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("test-ops-")}
         assert "in use" in lines[live] and "stale" in lines[empty] and "stale" in lines[dead]
         assert "unreadable" in lines[junk]
         assert "kvpool pools --gc" in out
 
-        rc, out, err = run_main(capsys, "pools", "--gc")
+        rc, out, err = run_main(capsys, "pools", "--gc", *mine)
         assert rc == 0, err
         lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("test-ops-")}
         assert "removed" in lines[empty] and "removed" in lines[dead]
         names = set(list_pools())
         assert live in names and junk in names and empty not in names and dead not in names
         assert Pool(live, create=False).tenants()[0].committed_bytes == PCB  # untouched
+        rc, _, err = run_main(capsys, "pools", "no-such-pool-xyz")
+        assert rc == 2 and "does not exist" in err
     finally:
         os.unlink(ledger_path(junk))
 
@@ -295,7 +299,7 @@ def test_gc_leaves_a_pool_whose_tenant_joined_after_listing(
         return row
 
     monkeypatch.setattr(cli_mod, "_pool_row", listed_then_joined)
-    rc, out, err = run_main(capsys, "pools", "--gc", "--json")
+    rc, out, err = run_main(capsys, "pools", "--gc", "--json", name)
     assert rc == 0, err
     row = {r["name"]: r for r in json.loads(out)}[name]
     assert row["stale"] is True and row["removed"] is False  # judged again at removal time
