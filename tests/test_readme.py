@@ -76,3 +76,16 @@ def test_readme_links_point_into_the_repo() -> None:
         target = (ROOT / link).resolve()
         assert target.is_relative_to(ROOT), f"{link} points outside the repository"
         assert target.exists(), f"{link} is not in the repository"
+
+
+def test_every_kvpool_command_line_in_the_readme_parses() -> None:
+    import shlex
+
+    from kvpool.cli import _parser
+
+    lines = [ln[2:] for ln in README.read_text().splitlines() if ln.startswith("$ kvpool ")]
+    assert len(lines) >= 4
+    for line in lines:
+        argv = shlex.split(line.split("  #")[0])[1:]  # drop the trailing comment and "kvpool"
+        args, rest = _parser().parse_known_args(argv)  # argparse exits (SystemExit) on a bad one
+        assert rest == [] or args.command == "demo", line
