@@ -72,3 +72,23 @@ def test_plot_legend_is_below_the_panels(waiting: bool, tmp_path: Path) -> None:
     out = tmp_path / "demo.png"
     plot(results(waiting), str(out), 2)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(300)
+def test_the_demo_prints_its_summary_in_80_columns_with_whole_coloured_numbers(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FORCE_COLOR": "1", "COLUMNS": "80"}  # colours on, as on a terminal
+    r = subprocess.run([sys.executable, "-m", "kvpool.cli", "demo", "--engines", "2", "--duration", "1",
+                        "--burst", "2", "--pool-mib", "4", "--check", "1", "--no-live",
+                        "--plot", str(tmp_path / "demo.png")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=280, env=env)
+    assert r.returncode == 0, r.stderr
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout)
+    assert all(len(line) <= 80 for line in plain.splitlines()), plain
+    ratios = re.findall(r"\d+\.\d+x", plain)
+    assert len(ratios) == 4, plain  # throughput, TTFT p50, TTFT p99, waiting
+    for token in ratios:
+        assert token in r.stdout  # "0.40x" was "0." + "4" + "0x" in three colours
