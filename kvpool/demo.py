@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from .demo_report import plot, summary_table
 from .geometry import Geometry
 from .manager import KVCacheManager
 from .pool import Pool
@@ -442,6 +441,10 @@ def check_correctness(model: TinyDecoder, trace: list[Request], outputs: dict[st
 
 # ------------------------------------------------------------------- report
 
+# The report (summary table, plot) is torch-free and lives in its own module.
+from .demo_report import plot, summary_table  # noqa: E402
+
+
 def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     el, st = results["elastic"], results["static"]
 
@@ -458,11 +461,11 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from .demo_report import ReportConsole as Console  # highlighting off: "0.40x" stays one colour
     from rich.live import Live
     from rich.table import Table
 
-    console = Console(stderr=args.json, highlight=False)  # "0.40x" would print as cyan "0." + "4" + cyan "0x"
+    console = Console(stderr=args.json)
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     if args.engines < 1 or args.pool_mib < 1 or args.duration <= 0 or args.burst < 1:
         print("kvpool demo: --engines, --pool-mib and --burst must be >= 1, --duration > 0", file=sys.stderr)

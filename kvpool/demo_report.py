@@ -17,7 +17,22 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["figure", "plot", "summary_table"]
+from rich.console import Console
+
+__all__ = ["ReportConsole", "figure", "plot", "summary_table"]
+
+
+class ReportConsole(Console):
+    """The demo's console: rich's, with highlighting off by default.
+
+    rich colours what looks like a number in every printed string, and its
+    patterns split ``0.40x`` into a cyan ``0.``, a plain ``4`` and a cyan ``0x``
+    (a hex prefix); the demo's lines are figures, so none is highlighted.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("highlight", False)
+        super().__init__(**kwargs)
 
 
 def _waiting_series(res: dict[str, Any], e: int) -> list[float] | None:
