@@ -9,6 +9,7 @@ from .errors import KVPoolError as KVPoolError
 from .errors import LedgerError as LedgerError
 from .errors import PoolClosed as PoolClosed
 from .errors import PoolExhausted as PoolExhausted
+from .errors import RequestTooLarge as RequestTooLarge
 from .geometry import MiB as MiB
 from .manager import Blocks as Blocks
 from .manager import KVCacheManager as KVCacheManager
@@ -22,6 +23,7 @@ from .pool import list_pools as list_pools
 from .space import KVSpace as KVSpace
 from .space import PageInfo as PageInfo
 from .space import SharedMemory as SharedMemory
+from .space import BudgetStats as BudgetStats
 from .space import SpaceStats as SpaceStats
 from .space import cuda_unavailable_reason as cuda_unavailable_reason
 from .space import map_shared as map_shared
@@ -32,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendError",
     "Blocks",
+    "BudgetStats",
     "KVCacheManager",
     "LimitState",
     "ManagerStats",
@@ -49,6 +52,7 @@ __all__ = [
     "Pool",
     "PoolClosed",
     "PoolExhausted",
+    "RequestTooLarge",
     "SharedMemory",
     "SpaceStats",
     "TenantInfo",

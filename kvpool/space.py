@@ -23,13 +23,51 @@ from .errors import BackendError, GeometryError, InvalidBlocks, PoolClosed
 from .geometry import Geometry
 from .pool import Pool
 
-__all__ = ["KVSpace", "PageInfo", "SharedMemory", "SpaceStats", "cuda_unavailable_reason", "map_shared"]
+__all__ = ["BudgetStats", "KVSpace", "PageInfo", "SharedMemory", "SpaceStats", "cuda_unavailable_reason",
+           "map_shared"]
 
 BlockIds = npt.NDArray[np.int64]
 PageStateName = Literal["free", "committing", "reserve", "active", "releasing"]
 _STATE_NAMES: tuple[PageStateName, ...] = ("free", "committing", "reserve", "active", "releasing")
 _tenant_ids = itertools.count()
 _FAULT_KINDS = {"commit": 0, "release": 1}
+
+
+@dataclass(frozen=True)
+class BudgetStats:
+    """A tenant's budget as its one native owner sees it (DESIGN.md, "Fair share").
+
+    ``guarantee_bytes`` is the guarantee in force: the explicit one
+    (``guarantee_setting``), or an equal share of what explicit guarantees
+    leave among the pool's tenants on the default. ``borrowed_bytes`` is
+    what the tenant holds above it; while ``lending`` (it borrows and a
+    tenant below its guarantee waits) its allocs are refused and its emptied
+    pages go back to the pool at once. A private space (no pool) has no
+    guarantee (0) and never lends.
+    """
+
+    pooled: bool
+    limit_bytes: int | None
+    limit_revision: int
+    guarantee_bytes: int
+    guarantee_setting: int | None
+    guarantee_revision: int
+    claimed_bytes: int
+    borrowed_bytes: int
+    want_bytes: int
+    lending: bool
+    pool_capacity: int | None
+
+    @classmethod
+    def _from_native(cls, b: Any) -> BudgetStats:
+        return cls(
+            pooled=bool(b.pooled), limit_bytes=None if b.limit_bytes < 0 else int(b.limit_bytes),
+            limit_revision=int(b.limit_revision), guarantee_bytes=int(b.guarantee_bytes),
+            guarantee_setting=None if b.guarantee_setting < 0 else int(b.guarantee_setting),
+            guarantee_revision=int(b.guarantee_revision), claimed_bytes=int(b.claimed_bytes),
+            borrowed_bytes=int(b.borrowed_bytes), want_bytes=int(b.want_bytes), lending=bool(b.lending),
+            pool_capacity=None if b.pool_capacity < 0 else int(b.pool_capacity),
+        )
 
 
 @dataclass(frozen=True)
@@ -60,6 +98,13 @@ class SpaceStats:
     commit_failures: int
     release_failures: int
     last_error: str
+    max_blocks: int  # the most this tenant can ever hold: larger allocs raise RequestTooLarge
+    budget: BudgetStats
+
+    @classmethod
+    def _from_native(cls, s: Any) -> SpaceStats:
+        names = [f for f in cls.__dataclass_fields__ if f != "budget"]
+        return cls(**{f: getattr(s, f) for f in names}, budget=BudgetStats._from_native(s.budget))
 
 
 @dataclass(frozen=True)
@@ -154,6 +199,10 @@ class KVSpace:
             without it pages are committed inline and released when they
             empty beyond ``max``.
         limit_bytes: cap on committed bytes (``None``: no cap).
+        guarantee_bytes: in a pool, bytes this tenant can always get back
+            (``None``: an equal share of the capacity among the pool's
+            tenants). Explicit guarantees may not add up to more than the
+            pool's capacity.
     """
 
     def __init__(
@@ -167,6 +216,7 @@ class KVSpace:
         limit_bytes: int | None = None,
         pool: Pool | str | None = None,
         name: str | None = None,
+        guarantee_bytes: int | None = None,
     ) -> None:
         if not isinstance(geometry, Geometry):
             raise TypeError(f"geometry must be a kvpool.Geometry, got {type(geometry).__name__}")
@@ -180,11 +230,14 @@ class KVSpace:
         self.device = device
         self.null_block = null_block
         limit = self._limit_arg(limit_bytes)
+        guarantee = self._limit_arg(guarantee_bytes, "guarantee_bytes")
+        if guarantee >= 0 and pool is None:
+            raise ValueError("guarantee_bytes needs a pool: a private space has the whole budget")
         self.pool = Pool(pool, device=device) if isinstance(pool, str) else pool
         self.name = name if name is not None else f"{os.getpid()}-{next(_tenant_ids)}"
         code, msg, space = _core.native.create_space(
             geometry.num_regions, geometry.page_bytes, geometry.region_block_bytes, geometry.blocks,
-            null_block, lo, hi, reserve_thread, limit, device,
+            null_block, lo, hi, reserve_thread, limit, guarantee, device,
             self.pool._ledger if self.pool is not None else None, self.name,
         )
         if space is None:
@@ -196,11 +249,13 @@ class KVSpace:
         self._regions: list[torch.Tensor] | None = None
 
     @staticmethod
-    def _limit_arg(limit_bytes: int | None) -> int:
+    def _limit_arg(limit_bytes: int | None, what: str = "limit_bytes") -> int:
         if limit_bytes is None:
             return -1
-        if limit_bytes < 0:
-            raise ValueError(f"limit_bytes must be >= 0 or None, got {limit_bytes}")
+        if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, (int, np.integer)):
+            raise TypeError(f"{what} must be an int or None, got {limit_bytes!r}")
+        if not 0 <= limit_bytes < 2**63:
+            raise ValueError(f"{what} must be in [0, 2**63) or None, got {limit_bytes}")
         return int(limit_bytes)
 
     # -- allocation ---------------------------------------------------------
@@ -216,9 +271,12 @@ class KVSpace:
         """``alloc`` that also returns (pages committed inline, available after)."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
+        if n >= 2**63:
+            raise ValueError(f"n must be below 2**63, got {n}")
         code, ids, available, committed, msg = self._space.alloc(int(n))
         if code != _core.CODE_OK:
-            _core.raise_status(code, msg, requested=int(n), available=available)
+            max_blocks = int(self._space.max_blocks()) if code == _core.CODE_UNSATISFIABLE else 0
+            _core.raise_status(code, msg, requested=int(n), available=available, max_blocks=max_blocks)
         return cast(BlockIds, ids), committed, available
 
     def free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> None:
@@ -270,9 +328,30 @@ class KVSpace:
         return ("applied", "stale", "conflict", "same")[result]
 
     def limit_setting(self) -> tuple[int | None, int]:
-        """(limit bytes, revision) in the pool ledger; ``(None, -1)`` without a pool."""
-        lim, rev = self._space.ledger_limit()
-        return (None if lim < 0 else lim), rev
+        """(limit bytes, revision) in force (in the pool ledger, or the private budget)."""
+        b = self.budget()
+        return b.limit_bytes, b.limit_revision
+
+    def set_guarantee(self, guarantee_bytes: int | None) -> None:
+        """Set this tenant's guarantee in its pool (``None``: the default equal share)."""
+        self._set_guarantee(guarantee_bytes, -1)
+
+    def _set_guarantee(self, guarantee_bytes: int | None, revision: int) -> str:
+        """Set the guarantee under ``revision`` (-1: next); returns how the pool took it."""
+        code, result, msg = self._space.set_guarantee(self._limit_arg(guarantee_bytes, "guarantee_bytes"), revision)
+        if code != _core.CODE_OK:
+            _core.raise_status(code, msg)
+        return ("applied", "stale", "conflict", "same")[result]
+
+    def budget(self) -> BudgetStats:
+        """The tenant's budget: limit, guarantee, what it borrows, whether it lends."""
+        self._check_open()
+        return BudgetStats._from_native(self._space.budget())
+
+    def max_blocks(self) -> int:
+        """The most blocks this tenant can ever hold; larger allocs raise :class:`RequestTooLarge`."""
+        self._check_open()
+        return int(self._space.max_blocks())
 
     def set_reserve(self, min_pages: int, max_pages: int) -> None:
         code, msg = self._space.set_reserve(min_pages, max_pages)
@@ -281,7 +360,7 @@ class KVSpace:
 
     # -- observation --------------------------------------------------------
     def stats(self) -> SpaceStats:
-        return SpaceStats(**self._space.stats())  # type: ignore[arg-type]
+        return SpaceStats._from_native(self._space.stats())
 
     def page_occupancy(self, pages: Sequence[int] | None = None) -> list[PageInfo]:
         """State and used-block count of ``pages`` (all pages by default)."""
