@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -48,7 +48,7 @@ def integer(name: str, value: object, *, lo: int = 0, hi: int = INT64_MAX) -> in
     """``value`` as an int in ``[lo, hi]`` (bools and floats refused); ValueError otherwise."""
     if not _is_int(value):
         raise ValueError(f"{name} must be an int, got {value!r}")
-    v = int(value)  # type: ignore[call-overload]
+    v = int(cast(Any, value))  # an int or a numpy integer: checked above
     if v < lo:
         raise ValueError(f"{name} must be >= {lo}, got {v}")
     if v > hi:
@@ -127,7 +127,7 @@ def int_array(what: str, values: object, error: type[ValueError] = ValueError) -
     else:
         if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
             raise fail(f"{what} must be a sequence of ints, got {values!r}")
-        seq: Any = values if isinstance(values, (list, tuple)) else list(values)  # type: ignore[call-overload]
+        seq: Any = values if isinstance(values, (list, tuple)) else list(values)
         kinds = set(map(type, seq))  # one C-speed pass; the slow scans below run only on an error
         if bool in kinds or np.bool_ in kinds:
             bools = [x for x in seq if isinstance(x, (bool, np.bool_))]

@@ -134,3 +134,32 @@ async def test_manager_stats_take_one_space_snapshot() -> None:
             m.space._space = native
         assert counting.calls == ["stats"]
         assert (st.used_blocks, st.available) == (5, G.capacity - 5)
+
+
+def test_wait_for_capacity_works_when_the_eventfd_is_above_1024() -> None:
+    # Bug (issue 10, item 10): wait_for_capacity used select.select, which raises
+    # "filedescriptor out of range" for fds >= 1024; engines hold many fds and
+    # both engine adapters call it on every shortage wait.
+    import os
+    import resource
+
+    want = 1100
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want + 64:
+        if hard != resource.RLIM_INFINITY and hard < want + 64:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} leaves no fd above 1024")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want + 64, hard))
+    fds: list[int] = []
+    try:
+        while not fds or fds[-1] < want:
+            fds.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        with KVSpace(G, reserve_thread=False, reserve=(0, 0)) as space:
+            assert space.wakeup_fd > 1024
+            assert space.wait_for_capacity(0) is False  # nothing signalled: returns at once
+            os.write(space.wakeup_fd, (1).to_bytes(8, "little"))  # as the native side signals
+            assert space.wait_for_capacity(60) is True
+            assert space.drain_wakeups() == 0  # consumed
+    finally:
+        for fd in fds:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
