@@ -73,6 +73,7 @@ def _meminfo(key: str) -> int:
 # whose /proc/self/cgroup path is not visible under the mount).
 
 CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_CGROUP = "/proc/self/cgroup"
 _V1_UNLIMITED = 1 << 62  # v1 writes "no limit" as PAGE_COUNTER_MAX pages: ~2**63
 
 
@@ -119,7 +120,7 @@ def _cgroup_starts() -> list[tuple[str, str]]:
         return [(override, version)]
     starts = []
     try:
-        with open("/proc/self/cgroup") as f:
+        with open(PROC_CGROUP) as f:
             lines = f.read().splitlines()
     except OSError:
         return []
