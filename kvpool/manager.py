@@ -418,7 +418,7 @@ class KVCacheManager:
         ``kvpool top`` shows it and ``kvpool limit`` shares the revisions.
         """
         limit_bytes = V.optional_integer("limit_bytes", limit_bytes)
-        revision = V.optional_integer("revision", revision)
+        revision = V.optional_integer("revision", revision, lo=-(2**63))  # below the one in force: stale
         if self._closed:
             raise PoolClosed(f"manager {self.name!r} is closed")
         cur_bytes, cur_rev = self._limit_setting()

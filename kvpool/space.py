@@ -163,11 +163,20 @@ class KVSpace:
         self.null_block = null_block
         self.pool = Pool(pool, device=device) if isinstance(pool, str) else pool
         self.name = name if name is not None else f"{os.getpid()}-{next(_tenant_ids)}"
-        code, msg, space = _core.native.create_space(
-            geometry.num_regions, geometry.page_bytes, geometry.region_block_bytes, geometry.blocks,
-            null_block, lo, hi, reserve_thread, limit, device,
-            self.pool._ledger if self.pool is not None else None, self.name,
-        )
+        try:
+            code, msg, space = _core.native.create_space(
+                geometry.num_regions, geometry.page_bytes, geometry.region_block_bytes, geometry.blocks,
+                null_block, lo, hi, reserve_thread, limit, device,
+                self.pool._ledger if self.pool is not None else None, self.name,
+            )
+        except RuntimeError as e:
+            # std::thread's system_error when the OS refuses a thread (a pids
+            # cgroup, RLIMIT_NPROC) comes through nanobind as a bare
+            # RuntimeError (issue 10, item 11) until the core returns it as a status.
+            raise BackendError(
+                f"cannot create KV space on {device}: cannot start its threads ({e}); the process or its "
+                "pids cgroup may be out of threads"
+            ) from e
         if space is None:
             if code == _core.CODE_INVALID:
                 raise GeometryError(f"cannot create KV space on {device}: {msg}")

@@ -163,7 +163,6 @@ MANAGER_CALLS: list[tuple[str, Callable[[KVCacheManager, Any], Any], type[Except
     ("set_limit_float", lambda m, ids: m.set_limit(1.5), ValueError, "got 1.5"),
     ("set_limit_revision_bool", lambda m, ids: m.set_limit(4096, revision=True), ValueError, "revision .* got True"),
     ("set_limit_revision_beyond_int64", lambda m, ids: m.set_limit(4096, revision=BIG), ValueError, str(BIG)),
-    ("set_limit_revision_negative", lambda m, ids: m.set_limit(4096, revision=-5), ValueError, "got -5"),
     ("available_priority_str", lambda m, ids: m.available(priority="0"), ValueError, "got '0'"),
 ]
 
@@ -281,3 +280,17 @@ def test_the_blocking_adapter_forwards_the_same_refusals() -> None:
 def test_the_blocking_adapter_names_a_bad_backend(backend: object, error: type[Exception]) -> None:
     with pytest.raises(error, match=f"backend must be 'asyncio' or 'trio', got {backend!r}"):
         BlockingKVCacheManager(G, backend=backend, pool=None)  # type: ignore[arg-type]
+
+
+def test_a_thread_the_os_refuses_is_a_backend_error_with_its_cause(monkeypatch: pytest.MonkeyPatch) -> None:
+    # std::thread throws std::system_error when a pids cgroup or RLIMIT_NPROC
+    # refuses a thread; nanobind passed it on as a bare RuntimeError.
+    import kvpool._core as core
+    from kvpool import BackendError
+
+    def refuse(*args: object) -> object:
+        raise RuntimeError("Resource temporarily unavailable")
+
+    monkeypatch.setattr(core.native, "create_space", refuse)
+    with pytest.raises(BackendError, match=r"cannot start its threads \(Resource temporarily unavailable\)"):
+        KVSpace(G, pool=None)
