@@ -95,6 +95,11 @@ def map_shared(shared: SharedMemory) -> torch.Tensor:
     """
     import mmap
 
+    if not isinstance(shared, SharedMemory):
+        raise TypeError(f"map_shared takes the SharedMemory of KVSpace.shared_memory(), got {shared!r}")
+    V.integer("SharedMemory.pid", shared.pid, lo=1, hi=2**31 - 1)
+    V.integer("SharedMemory.fd", shared.fd, hi=2**31 - 1)
+    V.integer("SharedMemory.size", shared.size)
     path = f"/proc/{shared.pid}/fd/{shared.fd}"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool import Geometry, InvalidBlocks, KVCacheManager, KVSpace, LedgerError, Pool
+from kvpool import Geometry, InvalidBlocks, KVCacheManager, KVSpace, LedgerError, Pool, SharedMemory, map_shared
 from kvpool.adapters.blocking import BlockingKVCacheManager
 
 from .conftest import KiB, snapshot
@@ -294,3 +294,14 @@ def test_a_thread_the_os_refuses_is_a_backend_error_with_its_cause(monkeypatch: 
     monkeypatch.setattr(core.native, "create_space", refuse)
     with pytest.raises(BackendError, match=r"cannot start its threads \(Resource temporarily unavailable\)"):
         KVSpace(G, pool=None)
+
+
+@pytest.mark.parametrize(
+    "bad, error, named",
+    [("x", TypeError, "got 'x'"), (SharedMemory(pid="1", fd=3, size=10), ValueError, "SharedMemory.pid"),  # type: ignore[arg-type]
+     (SharedMemory(pid=1, fd=True, size=10), ValueError, "SharedMemory.fd must be an int, got True"),
+     (SharedMemory(pid=2**70, fd=3, size=10), ValueError, str(2**70))],
+)
+def test_map_shared_refuses_what_is_not_a_space_handle(bad: object, error: type[Exception], named: str) -> None:
+    with pytest.raises(error, match=named):
+        map_shared(bad)  # type: ignore[arg-type]
