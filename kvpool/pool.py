@@ -81,9 +81,10 @@ _V1_UNLIMITED = 1 << 62  # v1 writes "no limit" as PAGE_COUNTER_MAX pages: ~2**6
 class MemoryCgroup:
     """The memory cgroup that binds this process most tightly."""
 
-    path: str      # the cgroup directory whose limit binds
-    limit: int     # its limit in bytes
-    headroom: int  # bytes still free under every limit above this process (>= 0)
+    path: str        # the cgroup directory with the least room left
+    headroom: int    # bytes still free under every limit above this process (>= 0)
+    limit: int       # the lowest limit above this process, in bytes
+    limit_path: str  # the cgroup directory that sets it
 
 
 def _read_int(path: str) -> int | None:
@@ -153,14 +154,15 @@ def cgroup_memory() -> MemoryCgroup | None:
             limit = _read_int(os.path.join(d, limit_file))
             if limit is not None and limit < _V1_UNLIMITED:
                 used = (_read_int(os.path.join(d, usage_file)) or 0) - _inactive_file(d, cache_key)
-                levels.append(MemoryCgroup(d, limit, max(0, limit - max(0, used))))
+                levels.append(MemoryCgroup(d, max(0, limit - max(0, used)), limit, d))
             if os.path.dirname(d) == d:
                 break
             d = os.path.dirname(d)
     if not levels:
         return None
-    tightest = min(levels, key=lambda c: c.headroom)
-    return MemoryCgroup(tightest.path, min(c.limit for c in levels), tightest.headroom)
+    room = min(levels, key=lambda c: c.headroom)
+    low = min(levels, key=lambda c: c.limit)
+    return MemoryCgroup(room.path, room.headroom, low.limit, low.limit_path)
 
 
 def _fraction() -> float:
@@ -192,7 +194,7 @@ def default_capacity(device: str = "cpu") -> int:
         free_bytes, what = _meminfo("MemAvailable"), "MemAvailable"
         cg = cgroup_memory()
         if cg is not None and cg.headroom < free_bytes:
-            free_bytes, what = cg.headroom, f"room left in the memory cgroup {cg.path} (limit {cg.limit})"
+            free_bytes, what = cg.headroom, f"room left in the memory cgroup {cg.path}"
     capacity = int(free_bytes * frac)
     if capacity <= 0:
         raise LedgerError(
@@ -213,7 +215,7 @@ def backing_memory(device: str = "cpu") -> tuple[int, str] | None:
     total, what = _meminfo("MemTotal"), "MemTotal"
     cg = cgroup_memory()
     if cg is not None and cg.limit < total:
-        total, what = cg.limit, f"the memory cgroup limit of {cg.path}"
+        total, what = cg.limit, f"the memory cgroup limit of {cg.limit_path}"
     return total, what
 
 

@@ -73,10 +73,10 @@ def test_the_default_capacity_is_a_fraction_of_the_room_left_in_the_memory_cgrou
     make_cgroup(leaf, version, limit, usage, inactive)
     monkeypatch.setenv("KVPOOL_CGROUP", str(leaf))
     cg = pool_mod.cgroup_memory()
-    assert cg is not None and (cg.path, cg.limit, cg.headroom) == (str(leaf), limit, room)
+    assert cg is not None and (cg.path, cg.headroom, cg.limit, cg.limit_path) == (str(leaf), room, limit, str(leaf))
     if room == 0:
         before = set(os.listdir("/dev/shm"))
-        with pytest.raises(LedgerError, match=rf"room left in the memory cgroup {leaf} \(limit {limit}\) 0 bytes"):
+        with pytest.raises(LedgerError, match=rf"room left in the memory cgroup {leaf} 0 bytes = 0"):
             Pool(pool_name)
         assert set(os.listdir("/dev/shm")) == before
     else:
@@ -92,8 +92,14 @@ def test_a_parent_cgroup_limit_binds_its_children(
     make_cgroup(parent / "engine", "v2", "max", 1 * MiB)  # no limit of its own
     monkeypatch.setenv("KVPOOL_CGROUP", str(parent / "engine"))
     cg = pool_mod.cgroup_memory()
-    assert cg is not None and (cg.path, cg.limit, cg.headroom) == (str(parent), 40 * MiB, 32 * MiB)
+    assert cg is not None and (cg.path, cg.headroom, cg.limit) == (str(parent), 32 * MiB, 40 * MiB)
     assert pool_mod.default_capacity() == 16 * MiB
+    # The least room and the lowest limit may sit at different levels.
+    make_cgroup(parent, "v2", 100 * MiB, 90 * MiB)
+    make_cgroup(parent / "engine", "v2", 50 * MiB, 0)
+    cg = pool_mod.cgroup_memory()
+    assert cg is not None and (cg.path, cg.headroom) == (str(parent), 10 * MiB)
+    assert (cg.limit, cg.limit_path) == (50 * MiB, str(parent / "engine"))
 
 
 @pytest.mark.parametrize("version, unlimited", [("v2", "max"), ("v1", 9223372036854771712)])
@@ -121,7 +127,8 @@ def test_this_process_cgroup_is_found_from_proc_self_cgroup(
     monkeypatch.setattr(pool_mod, "CGROUP_ROOT", str(root))
     monkeypatch.setattr(pool_mod, "PROC_CGROUP", str(proc))
     cg = pool_mod.cgroup_memory()
-    assert cg is not None and (cg.path, cg.limit, cg.headroom) == (str(root / "x" / "y"), 20 * MiB, 16 * MiB)
+    assert cg is not None and (cg.path, cg.headroom) == (str(root / "x" / "y"), 16 * MiB)
+    assert (cg.limit, cg.limit_path) == (20 * MiB, str(root / "x" / "y"))
     # A path the mount does not show (a container without a cgroup namespace): the mount's own cgroup.
     proc.write_text("4:memory:/not/here\n")
     cg = pool_mod.cgroup_memory()
