@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -49,11 +50,13 @@ async def _cancel_task_at_its_first_await(m: KVCacheManager) -> None:
 async def _wait_for_that_expires_at_the_checkpoint(m: KVCacheManager) -> None:
     inner = asyncio.ensure_future(m.alloc(4))
     await asyncio.sleep(0)  # inner is granted and sits on its checkpoint
-    with pytest.raises(TimeoutError):
+    with pytest.raises(asyncio.TimeoutError):  # TimeoutError itself from Python 3.11
         await asyncio.wait_for(inner, timeout=0)  # expired: wait_for cancels inner there
 
 
 async def _asyncio_timeout_at_the_checkpoint(m: KVCacheManager) -> None:
+    if sys.version_info < (3, 11):
+        pytest.skip("asyncio.timeout is new in Python 3.11")
     loop = asyncio.get_running_loop()
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(10) as cm:
@@ -121,7 +124,9 @@ async def _finish(m: KVCacheManager, held: list[np.ndarray], fifo_errors: list[s
     assert m.available() == G.capacity
 
 
-ASYNCIO_KINDS = ("task_cancel", "task_cancel_at_once", "wait_for", "asyncio_timeout", "anyio_scope", "alloc_timeout")
+ASYNCIO_KINDS = ("task_cancel", "task_cancel_at_once", "wait_for", "anyio_scope", "alloc_timeout") + (
+    ("asyncio_timeout",) if sys.version_info >= (3, 11) else ()  # asyncio.timeout is new in 3.11
+)
 
 
 @pytest.mark.slow
@@ -159,7 +164,7 @@ async def test_a_10000_cancel_storm_on_asyncio_leaks_no_block_and_keeps_fifo(any
                     await acquire(n, priority, timeout=rng.choice((0.0, 0.0, 1e-4)))
                 else:
                     await acquire(n, priority)
-            except (asyncio.CancelledError, TimeoutError):
+            except (asyncio.CancelledError, asyncio.TimeoutError, TimeoutError):
                 counts[kind] += 1
 
         live: dict[asyncio.Task[None], anyio.CancelScope] = {}
