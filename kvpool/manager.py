@@ -37,6 +37,7 @@ import anyio.to_thread
 import numpy as np
 import torch
 
+from . import _validate as V
 from . import tracing
 from ._waitqueue import WaitQueue, Waiter, WaiterState
 from .errors import KVPoolError, PoolClosed, PoolExhausted, RequestTooLarge
@@ -105,8 +106,7 @@ class Reservation:
     def take(self, k: int) -> BlockIds:
         if self._closed:
             raise PoolClosed("reservation is closed")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"k must be a non-negative int, got {k!r}")
+        k = V.integer("k", k)
         if k > self.remaining:
             raise PoolExhausted(k, self.remaining, "reservation holds fewer blocks")
         out = self._ids[self._pos : self._pos + k]
@@ -199,16 +199,16 @@ class KVCacheManager:
         self._refresh_budget()
 
     # ------------------------------------------------------------------ alloc
-    def _validate(self, n: int, priority: int) -> None:
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"n must be a non-negative int, got {n!r}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
+    def _validate(self, n: int, priority: int) -> int:
+        """The checked ``n`` (an int) of an alloc."""
+        n = V.integer("n", n)
+        V.integer("priority", priority, lo=-(2**63))
         if self._closed:
             raise PoolClosed(f"manager {self.name!r} is closed")
         if n > self._usable:
             raise RequestTooLarge(n, self._usable, f"alloc({n}) can never be granted: the space holds "
                                   f"{self._usable} usable blocks")
+        return n
 
     def _admit(self, n: int) -> None:
         """Refuse at once what this tenant can never hold (it would block the queue's head forever)."""
@@ -232,7 +232,7 @@ class KVCacheManager:
 
     def alloc_nowait(self, n: int, *, priority: int = 0) -> BlockIds:
         """n block ids now, or :class:`PoolExhausted` (never queues, never barges)."""
-        self._validate(n, priority)
+        n = self._validate(n, priority)
         if n == 0:
             return _EMPTY.copy()
         if self._queue.has_waiters_at_or_before(priority):
@@ -258,8 +258,9 @@ class KVCacheManager:
         raises :class:`PoolClosed`. Cancellation never leaks a block.
         """
         await anyio.lowlevel.checkpoint_if_cancelled()
-        self._validate(n, priority)
-        if timeout is not None and (not isinstance(timeout, (int, float)) or math.isnan(timeout)):
+        n = self._validate(n, priority)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or math.isnan(timeout)):
             raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
         if n == 0:
             return _EMPTY.copy()
@@ -272,10 +273,21 @@ class KVCacheManager:
             except PoolExhausted:
                 pass
             else:
+                try:
+                    # The schedule point every alloc has. anyio's shield holds off
+                    # anyio and trio cancellation, but not asyncio's own
+                    # (Task.cancel, wait_for, asyncio.timeout): the ids were granted,
+                    # so a cancellation here gives them back (issue 10, D1).
+                    await anyio.lowlevel.cancel_shielded_checkpoint()
+                except BaseException:
+                    self._counts["cancellations"] += 1
+                    self._log.info("alloc.cancelled", n=n, waited_ms=0.0, after_grant=True)
+                    if not self._closed:
+                        self.free(ids)
+                    raise
                 self._counts["at_once"] += 1
                 if tracing.enabled(tracing.DEBUG):
                     self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
-                await anyio.lowlevel.cancel_shielded_checkpoint()
                 return ids
         self._admit(n)
         w = Waiter(n, priority)
@@ -473,9 +485,8 @@ class KVCacheManager:
         once usage is under it. In a pool the limit lives in the ledger, so
         ``kvpool top`` shows it and ``kvpool limit`` shares the revisions.
         """
-        if limit_bytes is not None and (isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int)
-                                        or limit_bytes < 0):
-            raise ValueError(f"limit_bytes must be a non-negative int or None, got {limit_bytes!r}")
+        limit_bytes = V.optional_integer("limit_bytes", limit_bytes)
+        revision = V.optional_integer("revision", revision, lo=-(2**63))  # below the one in force: stale
         if self._closed:
             raise PoolClosed(f"manager {self.name!r} is closed")
         cur_bytes, cur_rev = self._limit_setting()
@@ -554,6 +565,7 @@ class KVCacheManager:
 
         Zero while earlier waiters are queued (they get freed blocks first).
         """
+        V.integer("priority", priority, lo=-(2**63))
         if self._closed:
             raise PoolClosed(f"manager {self.name!r} is closed")
         if self._queue.has_waiters_at_or_before(priority):

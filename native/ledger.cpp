@@ -459,7 +459,7 @@ Status Ledger::find_tenant(const std::string& tenant, int* slot) {
             *slot = r.slot;
             return Status::ok();
         }
-    return Status::make(Code::Invalid, "pool '" + name_ + "' has no tenant '" + tenant + "'");
+    return Status::make(Code::Ledger, "pool '" + name_ + "' has no tenant '" + tenant + "'");
 }
 
 // ------------------------------------------------------------------- claims
