@@ -27,6 +27,7 @@ import kvpool
 from kvpool import BackendError, Geometry, GeometryError, KVSpace, Pool, PoolExhausted
 
 from .conftest import FAKE_GRANULARITY, KiB, snapshot
+from .test_memory import backend_harness  # noqa: F401 - the fixture
 
 G = Geometry(2, 2, 4 * KiB, 64, page_bytes=16 * KiB)  # R = 4, 4 blocks a page
 R = G.num_regions
@@ -460,3 +461,12 @@ def test_a_random_run_with_the_reserve_thread_and_a_pool_keeps_books_and_driver_
         assert driver_bytes(fake) == 0 == pool.committed
     finally:
         Pool.remove(name)
+
+
+def test_a_forked_child_abandons_its_copy_without_calling_the_driver(
+    fake: ctypes.CDLL, backend_harness: str  # noqa: F811 - the fixture
+) -> None:
+    # The driver is unusable after fork and every object is the parent's: the
+    # child's copy forgets them (no unmap, no release, no context call).
+    out = subprocess.run([backend_harness, "cuda-fork"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

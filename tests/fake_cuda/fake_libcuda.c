@@ -12,6 +12,8 @@
  *   - devices are ordinals 0..FAKE_CUDA_DEVICES-1 (default 2); CUdevice
  *     handles are not ordinals (handle = 100 + ordinal), so a backend that
  *     passes a handle where CUmemLocation.id wants an ordinal is caught;
+ *     (FAKE_CUDA_HANDLES_ARE_ORDINALS=1 lifts this one rule, to see what else
+ *     a backend breaks);
  *   - cuMemMap only onto reserved VA that is not mapped, aligned to the
  *     granularity, offset + size within the allocation; with
  *     FAKE_CUDA_MAP_OFFSET_ZERO=1 a non-zero offset is CUDA_ERROR_INVALID_VALUE
@@ -153,6 +155,7 @@ static int need_ctx(const char* name) {
     }
     return OK;
 }
+static int handle_base(void) { return env_size("FAKE_CUDA_HANDLES_ARE_ORDINALS", 0) ? 0 : 100; }
 static int valid_ordinal(int id) { return id >= 0 && id < ndev(); }
 static int valid_ctx(CUcontext c) {
     for (int d = 0; d < ndev(); ++d)
@@ -234,14 +237,14 @@ static CUresult do_device_get(CUdevice* d, int ordinal) {
     if (e) return e;
     if (!initialized) return ERR_NOT_INITIALIZED;
     if (!valid_ordinal(ordinal)) return ERR_INVALID_DEVICE;
-    *d = 100 + ordinal;
+    *d = handle_base() + ordinal;
     return OK;
 }
 CUresult cuDeviceGet(CUdevice* d, int ordinal) { LOCKED(do_device_get(d, ordinal)); }
 static CUresult do_device_attr(int* v, int attr, CUdevice d) {
     int e = enter("cuDeviceGetAttribute");
     if (e) return e;
-    if (!valid_ordinal(d - 100)) return violation(ERR_INVALID_DEVICE, "bad CUdevice %llu%.0llu", (unsigned)d, 0);
+    if (!valid_ordinal(d - handle_base())) return violation(ERR_INVALID_DEVICE, "bad CUdevice %llu%.0llu", (unsigned)d, 0);
     *v = attr == 102 ? !env_size("FAKE_CUDA_NO_VMM", 0) : 0;  /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
     return OK;
 }
@@ -249,18 +252,18 @@ CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) { LOCKED(do_device_a
 static CUresult do_retain(CUcontext* c, CUdevice d) {
     int e = enter("cuDevicePrimaryCtxRetain");
     if (e) return e;
-    if (!valid_ordinal(d - 100)) return violation(ERR_INVALID_DEVICE, "retain with bad CUdevice %llu%.0llu", (unsigned)d, 0);
-    ++prim[d - 100].refs;
-    *c = (CUcontext)&prim[d - 100];
+    if (!valid_ordinal(d - handle_base())) return violation(ERR_INVALID_DEVICE, "retain with bad CUdevice %llu%.0llu", (unsigned)d, 0);
+    ++prim[d - handle_base()].refs;
+    *c = (CUcontext)&prim[d - handle_base()];
     return OK;
 }
 CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) { LOCKED(do_retain(c, d)); }
 static CUresult do_release_ctx(CUdevice d) {
     int e = enter("cuDevicePrimaryCtxRelease");
     if (e) return e;
-    if (!valid_ordinal(d - 100)) return violation(ERR_INVALID_DEVICE, "release with bad CUdevice %llu%.0llu", (unsigned)d, 0);
-    if (prim[d - 100].refs == 0) return violation(ERR_INVALID_CONTEXT, "primary context %llu released more than retained%.0llu", (unsigned)(d - 100), 0);
-    --prim[d - 100].refs;
+    if (!valid_ordinal(d - handle_base())) return violation(ERR_INVALID_DEVICE, "release with bad CUdevice %llu%.0llu", (unsigned)d, 0);
+    if (prim[d - handle_base()].refs == 0) return violation(ERR_INVALID_CONTEXT, "primary context %llu released more than retained%.0llu", (unsigned)(d - handle_base()), 0);
+    --prim[d - handle_base()].refs;
     return OK;
 }
 CUresult cuDevicePrimaryCtxRelease(CUdevice d) { LOCKED(do_release_ctx(d)); }
