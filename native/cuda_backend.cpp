@@ -8,10 +8,11 @@
 // below the way the real driver does).
 //
 //   VA (one reservation):  [ region 0 | region 1 | ... ]   region = num_pages x P
-//   slice (r, p):          page p of region r, P bytes; always exactly one of
-//                          ZERO (the shared zero page, read-only), DATA (this
-//                          page's memory, read-write) or HOLE (nothing mapped:
-//                          only after a failed driver call; repaired on reuse)
+//   slice (r, p):          page p of region r, P bytes: either its page's
+//                          memory (read-write), or at each of its granules the
+//                          device's one zero granule (read-only), or -- only
+//                          after a failed driver call -- nothing at some
+//                          granules (repaired on the next commit or close)
 //   commit page p:         one cuMemCreate of P per region, each mapped at
 //                          offset 0 -- or, where the start-up probe proved
 //                          offsets work, one allocation of R x P mapped in R
@@ -39,19 +40,21 @@
 //    close() synchronize the context first (a fence; PyTorch synchronizes
 //    before cuMemUnmap for the same reason). Without it the symptom is error
 //    700, which kills the process's CUDA context.
-//  - Fresh cuMemCreate memory is not promised to be zero, so the zero page is
-//    zero-filled at open and every committed page is zero-filled (on a private
-//    stream, waited for) before it is handed out: KV data never crosses
-//    tenants (DESIGN.md invariant 6).
-//  - cuMemSetAccess takes any fully mapped range: open() maps the zero page at
-//    every slice and sets access once over the whole reservation.
+//  - Fresh cuMemCreate memory is not promised to be zero, so the zero
+//    granule (one per device, shared by every space of the process) is
+//    zero-filled when created, and every committed page is zero-filled (on a
+//    private stream, waited for) before it is handed out: padding reads zeros
+//    and KV data never crosses tenants (DESIGN.md invariant 6).
+//  - cuMemSetAccess takes any fully mapped range: open() maps the zero
+//    granule everywhere and sets access once over the whole reservation.
 //
 // Every driver error is a value: out of memory anywhere in a commit
 // (cuMemCreate, cuMemMap, cuMemSetAccess) is a shortage, anything else a
 // Backend status carrying the driver's own message. Failures after a
 // release's point of no return (cuMemRelease, re-mapping the zero page) do not
 // undo the release: the memory is counted in allocated_bytes() until close()
-// frees it, the slice is marked HOLE, and last_error() says what happened.
+// frees it, a granule left unmapped is mapped on reuse, and last_error()
+// says what happened.
 #include "backend.hpp"
 
 #ifdef KVPOOL_HAVE_CUDA_H
@@ -60,6 +63,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -243,7 +247,62 @@ bool offsets_proven_safe(int ordinal, size_t gran, std::string* why) {
     return safe;
 }
 
-enum class Slice : uint8_t { Zero = 0, Data = 1, Hole = 2 };
+// One granule of zeros per device, shared by every space of the process and
+// mapped read-only at every idle granule of their reservations. Zero-filled
+// once, when created, through a scratch mapping (cuMemCreate does not promise
+// zeros). Refcounted: freed with the last space of the device. Called with
+// the device's context current.
+std::mutex g_zero_mu;
+std::map<int, std::pair<CUmemGenericAllocationHandle, int>> g_zero;  // ordinal -> (handle, spaces)
+
+Status acquire_zero_page(int ordinal, size_t gran, const CUmemAllocationProp& prop, CUstream s,
+                         CUmemGenericAllocationHandle* out) {
+    Driver& d = driver();
+    std::lock_guard<std::mutex> lock(g_zero_mu);
+    auto it = g_zero.find(ordinal);
+    if (it != g_zero.end()) {
+        ++it->second.second;
+        *out = it->second.first;
+        return Status::ok();
+    }
+    CUmemGenericAllocationHandle h = 0;
+    CUresult r = d.cuMemCreate(&h, gran, &prop, 0);
+    if (r != CUDA_SUCCESS) return Status::make(is_oom(r) ? Code::Shortage : Code::Backend, d.text("cuMemCreate(zero page)", r));
+    CUdeviceptr va = 0;
+    bool mapped = false;
+    std::string err;
+    if ((r = d.cuMemAddressReserve(&va, gran, gran, 0, 0)) != CUDA_SUCCESS) {
+        va = 0;
+        err = d.text("cuMemAddressReserve(zero page)", r);
+    } else if ((r = d.cuMemMap(va, gran, 0, h, 0)) != CUDA_SUCCESS) {
+        err = d.text("cuMemMap(zero page)", r);
+    } else {
+        mapped = true;
+        CUmemAccessDesc a{};
+        a.location = prop.location;
+        a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        if ((r = d.cuMemSetAccess(va, gran, &a, 1)) != CUDA_SUCCESS ||
+            (r = d.cuMemsetD8Async(va, 0, gran, s)) != CUDA_SUCCESS || (r = d.cuStreamSynchronize(s)) != CUDA_SUCCESS)
+            err = d.text("zero-filling the zero page", r);
+    }
+    if (mapped && (r = d.cuMemUnmap(va, gran)) != CUDA_SUCCESS && err.empty()) err = d.text("cuMemUnmap(zero page scratch)", r);
+    if (va && (!mapped || r == CUDA_SUCCESS)) d.cuMemAddressFree(va, gran);
+    if (!err.empty()) {
+        d.cuMemRelease(h);
+        return Status::make(is_oom(r) ? Code::Shortage : Code::Backend, err);
+    }
+    g_zero[ordinal] = {h, 1};
+    *out = h;
+    return Status::ok();
+}
+
+void release_zero_page(int ordinal) {
+    std::lock_guard<std::mutex> lock(g_zero_mu);
+    auto it = g_zero.find(ordinal);
+    if (it == g_zero.end() || --it->second.second > 0) return;
+    driver().cuMemRelease(it->second.first);
+    g_zero.erase(it);
+}
 
 class CudaBackend final : public Backend {
 public:
@@ -282,6 +341,7 @@ public:
                                                    std::to_string((cfg_.page_bytes + g - 1) / g * g));
         }
         gran_ = gran;
+        kg_ = page() / gran_;
         std::string why;
         sliced_ = cfg_.num_regions > 1 && offsets_proven_safe(device_, gran_, &why);
         describe_ = "cuda:" + std::to_string(device_) + ": " +
@@ -293,30 +353,21 @@ public:
             stream_ = nullptr;
             return fail(d.text("cuStreamCreate", r));
         }
+        st = acquire_zero_page(device_, gran_, prop_, stream_, &zero_);
+        if (!st.is_ok()) return fail(st.message, st.code == Code::Shortage ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_SUCCESS);
         if ((r = d.cuMemAddressReserve(&base_, total(), gran_, 0, 0)) != CUDA_SUCCESS) {
             base_ = 0;
             return fail(d.text("cuMemAddressReserve", r));
         }
-        const size_t P = page();
-        if ((r = d.cuMemCreate(&zero_, P, &prop_, 0)) != CUDA_SUCCESS) {
-            zero_ = 0;
-            return fail(d.text("cuMemCreate(zero page)", r), r);
-        }
-        slices_.assign(static_cast<size_t>(cfg_.num_regions * npages_), Slice::Hole);
+        data_.assign(static_cast<size_t>(cfg_.num_regions * npages_), 0);
+        zmapped_.assign(total() / gran_, 0);
         handles_.assign(static_cast<size_t>(npages_ * per_page()), 0);
-        // Zero the zero page through its first mapping, then map it at every
-        // slice and make the whole reservation read-only in one call.
-        if ((r = d.cuMemMap(base_, P, 0, zero_, 0)) != CUDA_SUCCESS) return fail(d.text("cuMemMap(zero page)", r), r);
-        slices_[0] = Slice::Zero;
-        if ((r = set_access(base_, P, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) != CUDA_SUCCESS)
-            return fail(d.text("cuMemSetAccess(zero page)", r), r);
-        if ((r = d.cuMemsetD8Async(base_, 0, P, stream_)) != CUDA_SUCCESS ||
-            (r = d.cuStreamSynchronize(stream_)) != CUDA_SUCCESS)
-            return fail(d.text("zero-filling the zero page", r), r);
-        for (size_t i = 1; i < slices_.size(); ++i) {
-            if ((r = d.cuMemMap(base_ + i * P, P, 0, zero_, 0)) != CUDA_SUCCESS)
+        // The zero granule at every granule, then one cuMemSetAccess over the
+        // whole (now fully mapped) reservation.
+        for (size_t g = 0; g < zmapped_.size(); ++g) {
+            if ((r = d.cuMemMap(base_ + g * gran_, gran_, 0, zero_, 0)) != CUDA_SUCCESS)
                 return fail(d.text("cuMemMap(zero page)", r), r);
-            slices_[i] = Slice::Zero;
+            zmapped_[g] = 1;
         }
         if ((r = set_access(base_, total(), CU_MEM_ACCESS_FLAGS_PROT_READ)) != CUDA_SUCCESS)
             return fail(d.text("cuMemSetAccess(reservation, read-only)", r), r);
@@ -349,7 +400,7 @@ public:
                 what = "cuMemMap";
                 r = d.cuMemMap(va, P, sliced_ ? P * static_cast<size_t>(reg) : 0, handle(reg, page_id), 0);
                 if (r == CUDA_SUCCESS) {
-                    slice(reg, page_id) = Slice::Data;
+                    data(reg, page_id) = 1;
                     what = "cuMemSetAccess";
                     r = set_access(va, P, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
                 }
@@ -393,8 +444,11 @@ public:
                     const CUdeviceptr vq = slice_va(q, page_id);
                     if (d.cuMemMap(vq, P, sliced_ ? P * static_cast<size_t>(q) : 0, handle(q, page_id), 0) ==
                         CUDA_SUCCESS) {
-                        slice(q, page_id) = Slice::Data;
+                        data(q, page_id) = 1;
                         set_access(vq, P, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+                    } else {
+                        note("release rollback: cuMemMap failed; page " + std::to_string(page_id) +
+                             " has a hole in region " + std::to_string(q));
                     }
                 }
                 return Status::make(Code::Backend,
@@ -423,10 +477,10 @@ public:
         return last_error_;
     }
 
-    // Gives every page's memory back and leaves the range inert: every slice
-    // on the read-only zero page, so tensors that outlive the space read zeros
-    // and fault on write. The VA stays reserved (and the zero page, the
-    // context) until the backend is destroyed, so a stale tensor can never
+    // Gives every page's memory back and leaves the range inert: every
+    // granule on the read-only zero page, so tensors that outlive the space
+    // read zeros and fault on write. The VA stays reserved (and the context
+    // retained) until the backend is destroyed, so a stale tensor can never
     // reach memory the driver has handed to someone else.
     void close() override {
         if (closed_ || base_ == 0) {
@@ -444,7 +498,7 @@ public:
         if (r != CUDA_SUCCESS) note(d.text("close: cuCtxSynchronize", r));
         for (int64_t p = 0; p < npages_; ++p) {
             for (int64_t reg = 0; reg < cfg_.num_regions; ++reg) {
-                if (slice(reg, p) != Slice::Data) continue;
+                if (!data(reg, p)) continue;
                 if ((r = unmap_slice(reg, p)) != CUDA_SUCCESS) note(d.text("close: cuMemUnmap", r));
             }
             release_handles(p);
@@ -469,7 +523,10 @@ private:
     CUdeviceptr slice_va(int64_t region, int64_t p) const {
         return base_ + static_cast<CUdeviceptr>(region * cfg_.region_bytes + p * cfg_.page_bytes);
     }
-    Slice& slice(int64_t region, int64_t p) { return slices_[static_cast<size_t>(region * npages_ + p)]; }
+    size_t first_granule(int64_t region, int64_t p) const {
+        return static_cast<size_t>(region * cfg_.region_bytes + p * cfg_.page_bytes) / gran_;
+    }
+    uint8_t& data(int64_t region, int64_t p) { return data_[static_cast<size_t>(region * npages_ + p)]; }
     CUmemGenericAllocationHandle handle(int64_t region, int64_t p) const {
         return handles_[static_cast<size_t>(p * per_page() + (sliced_ ? 0 : region))];
     }
@@ -479,29 +536,45 @@ private:
         a.flags = flags;
         return driver().cuMemSetAccess(va, n, &a, 1);
     }
-    // Unmaps whatever one slice holds (one whole mapping); a HOLE is a no-op.
+    // Unmaps whatever one slice holds, one whole mapping at a time (its data
+    // mapping, or each zero granule still mapped); nothing mapped is a no-op.
+    // The state arrays stay exact whatever fails.
     CUresult unmap_slice(int64_t region, int64_t p) {
-        Slice& s = slice(region, p);
-        if (s == Slice::Hole) return CUDA_SUCCESS;
-        const CUresult r = driver().cuMemUnmap(slice_va(region, p), page());
-        if (r == CUDA_SUCCESS) s = Slice::Hole;
-        return r;
+        Driver& d = driver();
+        if (data(region, p)) {
+            const CUresult r = d.cuMemUnmap(slice_va(region, p), page());
+            if (r == CUDA_SUCCESS) data(region, p) = 0;
+            return r;
+        }
+        const size_t g0 = first_granule(region, p);
+        for (size_t g = g0; g < g0 + kg_; ++g) {
+            if (!zmapped_[g]) continue;
+            const CUresult r = d.cuMemUnmap(base_ + g * gran_, gran_);
+            if (r != CUDA_SUCCESS) return r;
+            zmapped_[g] = 0;
+        }
+        return CUDA_SUCCESS;
     }
-    // Puts the read-only zero page at a HOLE slice; on failure it stays a
-    // HOLE (noted), and the next commit or close() deals with it.
+    // Puts the read-only zero granule wherever the slice has nothing mapped;
+    // a granule that fails stays unmapped (noted), and the next commit or
+    // close() deals with it.
     void map_zero(int64_t region, int64_t p) {
         Driver& d = driver();
-        if (slice(region, p) != Slice::Hole) return;
-        const CUdeviceptr va = slice_va(region, p);
-        CUresult r = d.cuMemMap(va, page(), 0, zero_, 0);
-        if (r != CUDA_SUCCESS) {
-            note(d.text("cuMemMap(zero page, page " + std::to_string(p) + ")", r));
-            return;
-        }
-        slice(region, p) = Slice::Zero;
-        if ((r = set_access(va, page(), CU_MEM_ACCESS_FLAGS_PROT_READ)) != CUDA_SUCCESS) {
-            note(d.text("cuMemSetAccess(zero page, page " + std::to_string(p) + ")", r));
-            if (d.cuMemUnmap(va, page()) == CUDA_SUCCESS) slice(region, p) = Slice::Hole;
+        if (data(region, p)) return;
+        const size_t g0 = first_granule(region, p);
+        for (size_t g = g0; g < g0 + kg_; ++g) {
+            if (zmapped_[g]) continue;
+            const CUdeviceptr va = base_ + g * gran_;
+            CUresult r = d.cuMemMap(va, gran_, 0, zero_, 0);
+            if (r != CUDA_SUCCESS) {
+                note(d.text("cuMemMap(zero page, page " + std::to_string(p) + ")", r));
+                continue;
+            }
+            zmapped_[g] = 1;
+            if ((r = set_access(va, gran_, CU_MEM_ACCESS_FLAGS_PROT_READ)) != CUDA_SUCCESS) {
+                note(d.text("cuMemSetAccess(zero page, page " + std::to_string(p) + ")", r));
+                if (d.cuMemUnmap(va, gran_) == CUDA_SUCCESS) zmapped_[g] = 0;
+            }
         }
     }
     // Drops the page's handles. Legal while still mapped (the memory lives
@@ -522,12 +595,12 @@ private:
             h = 0;
         }
     }
-    // Rolls a failed commit back to "every slice on the zero page, no handle".
+    // Rolls a failed commit back to "zero granules everywhere, no handle".
     void abort_commit(int64_t p) {
         Driver& d = driver();
         d.cuStreamSynchronize(stream_);  // no fill may land after the unmap
         for (int64_t reg = 0; reg < cfg_.num_regions; ++reg) {
-            if (slice(reg, p) != Slice::Data) continue;
+            if (!data(reg, p)) continue;
             const CUresult r = unmap_slice(reg, p);
             if (r != CUDA_SUCCESS) note(d.text("commit rollback: cuMemUnmap", r));
         }
@@ -541,14 +614,14 @@ private:
         CtxScope scope(ctx_.ctx);
         if (scope.result() != CUDA_SUCCESS) return;
         bool all_unmapped = true;
-        for (int64_t reg = 0; !slices_.empty() && reg < cfg_.num_regions; ++reg)
+        for (int64_t reg = 0; !data_.empty() && reg < cfg_.num_regions; ++reg)
             for (int64_t p = 0; p < npages_; ++p) all_unmapped = unmap_slice(reg, p) == CUDA_SUCCESS && all_unmapped;
         {
             std::lock_guard<std::mutex> lock(err_mu_);
             for (auto h : stranded_handles_) d.cuMemRelease(h);
             stranded_handles_.clear();
         }
-        if (zero_) d.cuMemRelease(zero_), zero_ = 0;
+        if (zero_) release_zero_page(device_), zero_ = 0;
         if (base_ && all_unmapped) d.cuMemAddressFree(base_, total());
         base_ = 0;
         if (stream_) d.cuStreamDestroy(stream_), stream_ = nullptr;
@@ -570,15 +643,17 @@ private:
     int64_t npages_;
     PrimaryCtx ctx_;
     CUmemAllocationProp prop_{};
-    size_t gran_ = 0;
+    size_t gran_ = 0, kg_ = 1;  // granularity; granules per page
     bool sliced_ = false;
     std::string describe_;
     CUstream stream_ = nullptr;  // private, non-blocking: zero fills only
     CUdeviceptr base_ = 0;
-    CUmemGenericAllocationHandle zero_ = 0;  // page_bytes of zeros, mapped at every idle slice
-    // Per (region, page): what is mapped there. Each page's entries are
+    CUmemGenericAllocationHandle zero_ = 0;  // the device's shared zero granule
+    // What is mapped where, exactly (no unmap of a hole, no map over mapped
+    // VA, whatever failed before): per slice (region, page) whether its data
+    // is mapped; per granule whether the zero granule is. A page's entries are
     // touched only by the one thread committing or releasing that page.
-    std::vector<Slice> slices_;
+    std::vector<uint8_t> data_, zmapped_;
     std::vector<CUmemGenericAllocationHandle> handles_;  // per page: R handles, or 1 when sliced
     // Atomic: the reserve thread and inline commits run on different threads.
     std::atomic<int64_t> committed_{0}, stranded_{0};

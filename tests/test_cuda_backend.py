@@ -70,14 +70,14 @@ def space(fake: ctypes.CDLL) -> Iterator[KVSpace]:
     s = KVSpace(G, device="cuda:0", reserve_thread=False, reserve=(0, 0))
     yield s
     s.close()
-    # Every page's memory is back; only the zero page stays until the space
-    # object goes (stale tensors keep reading it).
+    # Every page's memory is back; only the device's zero granule stays while
+    # a space object lives (stale tensors keep reading it).
     assert fake.fake_cuda_live_handles() == 1 and driver_bytes(fake) == 0, "the backend leaked"
 
 
 def driver_bytes(fake: ctypes.CDLL) -> int:
-    """Physical bytes held for pages (the fake's total minus the shared zero page of page_bytes)."""
-    return int(fake.fake_cuda_allocated()) - G.page_bytes
+    """Physical bytes held for pages (the fake's total minus the device's shared zero granule)."""
+    return int(fake.fake_cuda_allocated()) - FAKE_GRANULARITY
 
 
 def region_address(space: KVSpace, r: int | None, device: int = 0) -> int:
@@ -330,7 +330,7 @@ def test_a_failed_cuMemRelease_keeps_the_memory_counted_until_the_space_goes(fak
     fake.fake_cuda_fail(b"cuMemRelease", 1, INVALID)
     s.free(ids)
     assert s.stats().pages_reserve == 0  # released: the VA is back on the zero page
-    held = int(fake.fake_cuda_allocated()) - G.page_bytes
+    held = driver_bytes(fake)
     assert held > 0 and s.allocated_bytes() == held  # the audit sees what the driver still holds
     s.close()
     del s
