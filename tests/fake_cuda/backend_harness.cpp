@@ -6,6 +6,7 @@
 //   backend_harness cpu-fork      child abandons its copy; parent's memory intact
 //   backend_harness cuda-fork     same over the (fake) driver: the child makes no driver call
 //   backend_harness bench-cpu N   commit/release per page, new vs old design (JSON)
+//   backend_harness cuda-calls    driver calls per open / commit / release / close (fake driver)
 //
 // Exit status 0 and a last line "ok" (or the JSON) on success; a message on
 // stderr and status 1 otherwise. Built by tests/test_memory.py with the
@@ -164,12 +165,41 @@ int bench_cpu(int n) {
     return 0;
 }
 
+// Driver calls per operation, counted by the fake: R = 16 regions, 64 pages.
+int cuda_calls() {
+    const char* path = std::getenv("KVPOOL_LIBCUDA");
+    void* lib = path ? dlopen(path, RTLD_NOW) : nullptr;
+    auto calls = lib ? reinterpret_cast<long (*)(const char*)>(dlsym(lib, "fake_cuda_calls")) : nullptr;
+    if (!calls) return die("KVPOOL_LIBCUDA must name the fake driver");
+    const int64_t P = 16384, R = 16, pages = 64, n = 8;
+    const BackendConfig cfg{R, pages * P, P};
+    long c0 = calls("");
+    Status st;
+    auto b = kvpool::make_cuda_backend(cfg, 0, &st);
+    if (!b) return die(st.message);
+    long c1 = calls("");
+    for (int p = 0; p < n; ++p)
+        if (!b->commit(p).is_ok()) return die("commit failed");
+    long c2 = calls("");
+    for (int p = 0; p < n; ++p)
+        if (!b->release(p).is_ok()) return die("release failed");
+    long c3 = calls("");
+    b.reset();
+    long c4 = calls("");
+    std::printf("{\"regions\": %lld, \"pages\": %lld, \"open\": %ld, \"commit_per_page\": %.1f, "
+                "\"release_per_page\": %.1f, \"close\": %ld}\n",
+                static_cast<long long>(R), static_cast<long long>(pages), c1 - c0, double(c2 - c1) / n,
+                double(c3 - c2) / n, c4 - c3);
+    return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
     const std::string cmd = argc > 1 ? argv[1] : "";
     if (cmd == "cpu-fork") return cpu_fork();
     if (cmd == "cuda-fork") return cuda_fork();
+    if (cmd == "cuda-calls") return cuda_calls();
     if (cmd == "bench-cpu") return bench_cpu(argc > 2 ? std::atoi(argv[2]) : 64);
     return die("usage: backend_harness cpu-fork | cuda-fork | bench-cpu [pages]");
 }

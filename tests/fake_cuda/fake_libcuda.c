@@ -20,8 +20,9 @@
  *     (cuda.h: "currently must be zero"; not a violation: a probe may try it);
  *     with FAKE_CUDA_MAP_OFFSET_IGNORED=1 the offset is silently treated as 0
  *     (a driver that misapplies it: layers would alias);
- *   - cuMemUnmap / cuMemSetAccess only over whole mappings with no holes
- *     (no sub-range, nothing unmapped inside);
+ *   - cuMemUnmap of exactly one whole mapping (no sub-range, no range with
+ *     holes, not several mappings at once); cuMemSetAccess only over whole
+ *     mappings with no holes;
  *   - cuMemAddressFree only of a whole reservation with nothing mapped in it;
  *   - cuDevicePrimaryCtxRelease only of a retained context;
  *   - a cuMemUnmap while simulated kernels are in flight (fake_cuda_launch)
@@ -466,8 +467,10 @@ CUresult cuMemMap(CUdeviceptr p, size_t size, size_t off, CUmemGenericAllocation
 static CUresult do_unmap(CUdeviceptr p, size_t size) {
     int e = enter("cuMemUnmap");
     if (e || (e = need_ctx("cuMemUnmap"))) return e;
-    if (whole_mappings(p, size) < 0)
-        return violation(ERR_INVALID_VALUE, "cuMemUnmap of %llx (+%llu): a sub-range or a range with holes", p, size);
+    /* "The range must be the entire contiguous address range that was mapped
+     * to": one whole mapping, not a sub-range, not several at once. */
+    if (whole_mappings(p, size) != 1)
+        return violation(ERR_INVALID_VALUE, "cuMemUnmap of %llx (+%llu): not exactly one whole mapping", p, size);
     if (kernels_in_flight)
         violation(OK, "cuMemUnmap of %llx (+%llu) while kernels may still read it (no fence)", p, size);
     void* m = mmap((void*)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
