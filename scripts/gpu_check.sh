@@ -37,7 +37,11 @@ fi
 
 OUT="${OUT:-$PWD/out/gpu-check}"
 mkdir -p "$OUT"
-exec > >(tee "$OUT/gpu-check.log") 2>&1
+if [[ -z "${_KVPOOL_GPU_CHECK_LOGGED:-}" ]]; then  # once: everything below also into the log
+  set +e
+  _KVPOOL_GPU_CHECK_LOGGED=1 OUT="$OUT" "$0" "$@" 2>&1 | tee "$OUT/gpu-check.log"
+  exit "${PIPESTATUS[0]}"
+fi
 verdict() {  # status, note: the one summary file
   "$PY" - "$OUT" "$1" "$2" <<'PYEOF'
 import json, os, sys
