@@ -101,6 +101,7 @@ class SpaceStats:
     last_error: str
     max_blocks: int  # the most this tenant can ever hold: larger allocs raise RequestTooLarge
     budget: BudgetStats
+    backend: str  # what the backend chose (mapping count, CUDA map-offset mode)
 
     @classmethod
     def _from_native(cls, s: Any) -> SpaceStats:

@@ -95,7 +95,8 @@ NB_MODULE(_native, m) {
         .def_ro("commit_failures", &kvpool::SpaceStats::commit_failures)
         .def_ro("release_failures", &kvpool::SpaceStats::release_failures)
         .def_ro("last_error", &kvpool::SpaceStats::last_error)
-        .def_ro("budget", &kvpool::SpaceStats::budget);
+        .def_ro("budget", &kvpool::SpaceStats::budget)
+        .def_ro("backend", &kvpool::SpaceStats::backend);
 
     nb::class_<kvpool::TenantRow>(m, "TenantRow", "One live tenant as a ledger snapshot read it.")
         .def_ro("slot", &kvpool::TenantRow::slot)

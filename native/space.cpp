@@ -260,6 +260,10 @@ Status Space::do_release(int32_t p, int injected_err) {
 
 // A page whose release succeeded: FREE again, its claim returned to the pool.
 void Space::released_locked(int32_t p) {
+    // The release went through, but the backend may have recorded a failure
+    // past its point of no return (a handle it could not free): surface it.
+    std::string late = backend_->last_error();
+    if (!late.empty()) counters_.last_error = std::move(late);
     table_.set_state(p, PageState::Free);
     ++counters_.releases;
     budget_.release(1);
@@ -617,6 +621,7 @@ SpaceStats Space::stats() {
     s.limit_deferred = limit_deferred_locked();
     s.max_blocks = max_blocks_locked();
     s.budget = budget_.figures();
+    s.backend = backend_->describe();
     return s;
 }
 
@@ -649,7 +654,7 @@ void Space::close() {
         if (thread_.joinable()) thread_.detach();
         if (watcher_.joinable()) watcher_.detach();
         (void)cv_ptr_.release();
-        (void)backend_.release();
+        if (backend_) backend_->abandon();  // unmaps here only: never punches the parent's memory
         efd_ = -1;
         return;
     }

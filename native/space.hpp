@@ -46,6 +46,7 @@ struct SpaceStats {
     int64_t commit_failures = 0, release_failures = 0;
     std::string last_error;
     BudgetFigures budget;
+    std::string backend;  // what the backend chose (mapping counts, CUDA offset mode)
 };
 
 enum class FaultKind : int { Commit = 0, Release = 1 };
