@@ -40,7 +40,7 @@ class VirtualDeadlock(RuntimeError):
     """Every task waits and no timer will ever wake one."""
 
 
-class _JumpingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+class _JumpingSelector(selectors.DefaultSelector):
     """Never sleeps: reports the fds ready now, else jumps the clock to the next timer."""
 
     def __init__(self, loop: VirtualClockLoop) -> None:

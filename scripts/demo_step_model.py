@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from kvpool import Geometry, KVSpace
-from kvpool.demo import (BLOCK_BYTES, BLOCK_TOKENS, HEAD_DIM, HEADS, LAYERS, PAGE_BYTES, VOCAB, PagedKV,
-                         TinyDecoder)
+from kvpool._demo_model import BLOCK_BYTES, HEAD_DIM, HEADS, LAYERS, PagedKV, TinyDecoder
+from kvpool._demo_traces import BLOCK_TOKENS, VOCAB
+from kvpool.demo import PAGE_BYTES
 
 
 def blocks_of(tokens: int) -> int:
