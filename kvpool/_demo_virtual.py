@@ -148,9 +148,18 @@ class VirtualEngine:
             self.peak_committed = max(self.peak_committed, self.m.stats().committed_bytes)
             self.incoming.append((r, ids))
             self.wake.set()
+            # A grant can change what the others may take without freeing
+            # anything (under a fair-share policy a tenant that reached its
+            # guarantee stops making the others lend), so they re-check too.
+            self._poll_peers()
 
     def _free(self, ids: Any) -> None:
         self.m.free(ids)  # own waiters first: the manager's in-process hand-off
+        self._poll_peers()
+
+    def _poll_peers(self) -> None:
+        # Synchronously, in a fixed order: what the native watcher's eventfd
+        # would tell them later, at a time the virtual clock cannot see.
         for peer in self.peers:
             peer.m.poll()
 
