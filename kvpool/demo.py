@@ -440,7 +440,8 @@ async def main_async(args: argparse.Namespace) -> int:
         clock = ("virtual (engine steps modeled from their batches, not run: "
                  "kvpool/_demo_virtual.py; no figure depends on this machine's load)")
     else:
-        clock = f"real; torch computes with {TORCH_THREADS} thread per engine (more collapse on a busy machine)"
+        clock = (f"real; torch: {TORCH_THREADS} compute thread per engine (more threads collapse when the "
+                 "machine is busy: issue 14)")
     if not args.json:
         console.print(f"{args.engines} engines, {len(trace)} requests ({args.trace} trace) over "
                       f"{args.duration:g} s, pool {pool_mib:g} MiB = {args.pool_blocks} blocks "
