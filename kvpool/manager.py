@@ -426,6 +426,19 @@ class KVCacheManager:
         if w is self._watcher and self._watch_scope is not None:
             self._watch_scope.cancel()
 
+    def poll(self) -> None:
+        """Re-check the native capacity now and grant the waiters that fit.
+
+        Capacity another tenant gives back reaches this manager through the
+        space's eventfd, whenever the event loop next looks at it. A caller
+        that knows capacity just changed and drives every tenant from one
+        thread (``kvpool demo --clock virtual``) calls this to hand it over
+        at that instant, so no grant depends on when the loop looked.
+        """
+        if self._closed:
+            raise PoolClosed(f"manager {self.name!r} is closed")
+        self._dispatch()
+
     def _on_native_wakeup(self) -> None:
         self._dispatch()
         if self._limit_state is LimitState.DEFERRED or self.space.pool is not None:

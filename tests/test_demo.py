@@ -43,6 +43,7 @@ def test_a_short_demo_checks_itself_and_writes_its_figures(tmp_path: pathlib.Pat
     assert data["static"]["slice_bytes"] == (4 << 20) // 2
     assert all(e["peak_committed_bytes"] <= data["static"]["slice_bytes"] for e in data["static"]["engines"])
     assert set(data["ratios_elastic_over_static"]) >= {"tokens_per_s", "ttft_p99", "wait"}
+    assert data["clock"] == "real" and data["torch_threads"] == 1  # issue 14: more threads collapse when busy
     png = plot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
