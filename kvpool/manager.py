@@ -437,7 +437,7 @@ class KVCacheManager:
         """
         if self._closed:
             raise PoolClosed(f"manager {self.name!r} is closed")
-        self._dispatch()
+        self._on_native_wakeup()
 
     def _on_native_wakeup(self) -> None:
         self._dispatch()
@@ -445,16 +445,6 @@ class KVCacheManager:
             self._refresh_limit_state()  # an operator may have set a limit in the pool
         if self.space.pool is not None:
             self._refresh_budget()
-
-    def poll(self) -> None:
-        """Re-check native capacity now and grant the waiters it fits.
-
-        Wake-ups already arrive through the space's eventfd; this is for a
-        loop that knows capacity changed (another manager of the same pool
-        freed memory in this thread) and wants the grant at once.
-        """
-        if not self._closed:
-            self._on_native_wakeup()
 
     def _refresh_budget(self, b: BudgetStats | None = None) -> None:
         """Trace the budget's verdicts as they change (the native budget decides them)."""
