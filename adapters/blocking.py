@@ -37,6 +37,10 @@ class BlockingKVCacheManager:
     ``available``, ``stats``, ``close``. Arguments as :class:`kvpool.KVCacheManager`."""
 
     def __init__(self, geometry: Geometry, *, backend: str = "asyncio", **kwargs: Any) -> None:
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be 'asyncio' or 'trio', got {backend!r} ({type(backend).__name__})")
+        if backend not in ("asyncio", "trio"):
+            raise ValueError(f"backend must be 'asyncio' or 'trio', got {backend!r}")
         self._cm: AbstractContextManager[anyio.from_thread.BlockingPortal] = (
             anyio.from_thread.start_blocking_portal(backend)
         )

@@ -21,6 +21,7 @@ from .errors import KVPoolError as KVPoolError
 from .errors import LedgerError as LedgerError
 from .errors import PoolClosed as PoolClosed
 from .errors import PoolExhausted as PoolExhausted
+from .errors import RequestTooLarge as RequestTooLarge
 
 if typing.TYPE_CHECKING:  # the type checker sees plain imports; at run time they are lazy
     from .geometry import Geometry as Geometry
@@ -33,6 +34,7 @@ if typing.TYPE_CHECKING:  # the type checker sees plain imports; at run time the
     from .pool import Pool as Pool
     from .pool import TenantInfo as TenantInfo
     from .pool import list_pools as list_pools
+    from .space import BudgetStats as BudgetStats
     from .space import KVSpace as KVSpace
     from .space import PageInfo as PageInfo
     from .space import SharedMemory as SharedMemory
@@ -55,6 +57,7 @@ _LAZY = {
     "Pool": "pool",
     "TenantInfo": "pool",
     "list_pools": "pool",
+    "BudgetStats": "space",
     "KVSpace": "space",
     "PageInfo": "space",
     "SharedMemory": "space",
@@ -67,6 +70,7 @@ _LAZY = {
 __all__ = [
     "BackendError",
     "Blocks",
+    "BudgetStats",
     "KVCacheManager",
     "LimitState",
     "ManagerStats",
@@ -84,6 +88,7 @@ __all__ = [
     "Pool",
     "PoolClosed",
     "PoolExhausted",
+    "RequestTooLarge",
     "SharedMemory",
     "SpaceStats",
     "TenantInfo",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 from . import _native
-from .errors import BackendError, InvalidBlocks, KVPoolError, LedgerError, PoolClosed, PoolExhausted
+from .errors import BackendError, InvalidBlocks, KVPoolError, LedgerError, PoolClosed, PoolExhausted, RequestTooLarge
 
 native = _native
 
@@ -19,10 +19,11 @@ CODE_INVALID: int = _native.CODE_INVALID
 CODE_BACKEND: int = _native.CODE_BACKEND
 CODE_CLOSED: int = _native.CODE_CLOSED
 CODE_LEDGER: int = _native.CODE_LEDGER
+CODE_UNSATISFIABLE: int = _native.CODE_UNSATISFIABLE
 
 
 def raise_status(code: int, message: str, *, requested: int = 0, available: int = 0,
-                 bad_ids: list[int] | None = None) -> NoReturn:
+                 bad_ids: list[int] | None = None, max_blocks: int = 0) -> NoReturn:
     """Raise the kvpool error for a native failure code.
 
     ``bad_ids`` is given by calls that take block ids (free): their misuse is
@@ -33,6 +34,8 @@ def raise_status(code: int, message: str, *, requested: int = 0, available: int 
         # (an ENOSPC from the backend, an injected fault).
         detail = "" if message.startswith("requested ") else message
         raise PoolExhausted(requested, available, detail)
+    if code == CODE_UNSATISFIABLE:
+        raise RequestTooLarge(requested, max_blocks, message, available)
     if code == CODE_INVALID:
         if bad_ids is not None:
             raise InvalidBlocks(message, bad_ids)

@@ -18,6 +18,196 @@ CODE_CLOSED: int = 4
 
 CODE_LEDGER: int = 5
 
+CODE_UNSATISFIABLE: int = 6
+
+class BudgetFigures:
+    """A tenant's budget: limit, guarantee, claims, lending."""
+
+    @property
+    def pooled(self) -> bool: ...
+
+    @property
+    def limit_bytes(self) -> int: ...
+
+    @property
+    def limit_revision(self) -> int: ...
+
+    @property
+    def guarantee_bytes(self) -> int: ...
+
+    @property
+    def guarantee_setting(self) -> int: ...
+
+    @property
+    def guarantee_revision(self) -> int: ...
+
+    @property
+    def claimed_bytes(self) -> int: ...
+
+    @property
+    def borrowed_bytes(self) -> int: ...
+
+    @property
+    def want_bytes(self) -> int: ...
+
+    @property
+    def lending(self) -> bool: ...
+
+    @property
+    def pool_capacity(self) -> int: ...
+
+class SpaceStats:
+    """A consistent snapshot of one space (taken under its lock)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def num_pages(self) -> int: ...
+
+    @property
+    def used_blocks(self) -> int: ...
+
+    @property
+    def available(self) -> int: ...
+
+    @property
+    def pages_free(self) -> int: ...
+
+    @property
+    def pages_committing(self) -> int: ...
+
+    @property
+    def pages_reserve(self) -> int: ...
+
+    @property
+    def pages_active(self) -> int: ...
+
+    @property
+    def pages_releasing(self) -> int: ...
+
+    @property
+    def committed_bytes(self) -> int: ...
+
+    @property
+    def page_commit_bytes(self) -> int: ...
+
+    @property
+    def limit_pages(self) -> int: ...
+
+    @property
+    def limit_deferred(self) -> bool: ...
+
+    @property
+    def max_blocks(self) -> int: ...
+
+    @property
+    def allocs(self) -> int: ...
+
+    @property
+    def frees(self) -> int: ...
+
+    @property
+    def shortages(self) -> int: ...
+
+    @property
+    def commits(self) -> int: ...
+
+    @property
+    def releases(self) -> int: ...
+
+    @property
+    def inline_commits(self) -> int: ...
+
+    @property
+    def inline_releases(self) -> int: ...
+
+    @property
+    def commit_failures(self) -> int: ...
+
+    @property
+    def release_failures(self) -> int: ...
+
+    @property
+    def last_error(self) -> str: ...
+
+    @property
+    def budget(self) -> BudgetFigures: ...
+
+class TenantRow:
+    """One live tenant as a ledger snapshot read it."""
+
+    @property
+    def slot(self) -> int: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def visible(self) -> bool: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def claimed(self) -> int: ...
+
+    @property
+    def pending(self) -> int: ...
+
+    @property
+    def want(self) -> int: ...
+
+    @property
+    def wait_ticket(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    @property
+    def limit_state(self) -> int: ...
+
+    @property
+    def lending(self) -> int: ...
+
+    @property
+    def reserve_pages(self) -> int: ...
+
+    @property
+    def limit(self) -> int: ...
+
+    @property
+    def limit_revision(self) -> int: ...
+
+    @property
+    def guarantee(self) -> int: ...
+
+    @property
+    def guarantee_revision(self) -> int: ...
+
+class LedgerSnapshot:
+    """
+    Every live tenant read in one pass; the total is the sum of these rows.
+    """
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def rows(self) -> list[TenantRow]: ...
+
+    @property
+    def claimed_total(self) -> int: ...
+
+    def guarantee_of(self, row: TenantRow) -> int:
+        """A tenant's guarantee in force: explicit, or the equal default share."""
+
 def cpu_granularity() -> int:
     """Smallest page size step of the CPU backend."""
 
@@ -56,7 +246,22 @@ class Space:
     def page_occupancy(self, pages: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple[int, object, object, str]:
         """(code, used blocks, page states, message)."""
 
-    def stats(self) -> dict[str, object]: ...
+    def stats(self) -> SpaceStats: ...
+
+    def budget(self) -> BudgetFigures:
+        """The tenant's budget figures (refreshed from the pool)."""
+
+    def max_blocks(self) -> int:
+        """The most blocks this tenant can ever hold (admission bound)."""
+
+    def set_guarantee(self, guarantee_bytes: int, revision: int) -> tuple[int, int, str]:
+        """
+        Set this tenant's guarantee (-1: the default share) under `revision` (-1: next): (code, result: 0 applied 1 stale 2 conflict 3 same, message).
+        """
+
+    @property
+    def inherited(self) -> bool:
+        """Inherited across fork(): inert in this process."""
 
     def settle(self, timeout_s: float) -> bool:
         """Wait until the reserve thread is idle; False on timeout."""
@@ -79,11 +284,6 @@ class Space:
 
     def report_waiting(self, waiting: int) -> None: ...
 
-    def ledger_limit(self) -> tuple[int, int]:
-        """
-        (limit bytes, revision) in the pool for this tenant; (-1, -1) without a pool.
-        """
-
     @property
     def eventfd(self) -> int: ...
 
@@ -100,29 +300,30 @@ class Ledger:
     def capacity(self) -> int: ...
 
     @property
-    def committed_total(self) -> int: ...
+    def generation(self) -> int: ...
 
-    def tenants(self) -> list[tuple[int, int, str, int, int, int, int, int, int]]:
+    def snapshot(self) -> LedgerSnapshot:
         """
-        (slot, pid, name, committed, limit, limit_revision, limit_state, waiting, reserve_pages) per live tenant.
-        """
-
-    def set_limit(self, tenant: str, limit_bytes: int, revision: int) -> tuple[int, int, str]:
-        """
-        (code, result: 0 applied 1 stale 2 conflict 3 same, message); revision < 0 = next.
+        Every live tenant in one pass (lock-free; never waits for another process).
         """
 
-    def reap(self) -> int: ...
-
-    def inject_crash_mid_release(self) -> None:
+    def set_setting(self, tenant: str, guarantee: bool, bytes: int, revision: int) -> tuple[int, int, str]:
         """
-        Test hook: the next release kills this process inside the ledger's critical section.
+        Set a tenant's limit (guarantee=False) or guarantee: (code, result: 0 applied 1 stale 2 conflict 3 same, message); revision < 0 = next.
+        """
+
+    def reap(self) -> int:
+        """Reap dead tenants of this PID namespace; returns how many."""
+
+    def inject_stop_mid_claim(self) -> None:
+        """
+        Test hook: the next claim of this process stops it (SIGSTOP) with its claim pending.
         """
 
 def open_ledger(name: str, capacity: int, create: bool) -> tuple[int, str, object]:
     """Open (or create) a pool ledger: (code, message, Ledger | None)."""
 
-def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, limit_bytes: int, device: str, ledger: Ledger | None, tenant: str) -> tuple[int, str, object]:
+def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, limit_bytes: int, guarantee_bytes: int, device: str, ledger: Ledger | None, tenant: str) -> tuple[int, str, object]:
     """
     Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None).
     """

@@ -61,7 +61,7 @@ class WaiterState(Enum):
 class Waiter:
     """One parked ``alloc(n)``."""
 
-    __slots__ = ("n", "priority", "state", "result", "error", "wake", "enqueued_at")
+    __slots__ = ("n", "priority", "state", "result", "error", "wake", "enqueued_at", "below_guarantee")
 
     def __init__(self, n: int, priority: int) -> None:
         self.n = n
@@ -73,6 +73,7 @@ class Waiter:
         # waiter re-checks its state after every wake-up. Replaced after use.
         self.wake = anyio.Event()
         self.enqueued_at = time.perf_counter()
+        self.below_guarantee = False  # it waited for memory its guarantee promised (traced as budget.reclaim)
 
     def rouse(self) -> None:
         self.wake.set()

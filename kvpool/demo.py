@@ -10,6 +10,14 @@ equal slice of the same pool (``set_limit(pool / engines)``): the static split
 engines use today. The summary compares the two runs; the ratio is
 elastic / static.
 
+Each engine computes with one torch thread: with two, elastic's larger
+batches cross torch's intra-op parallel threshold while static's small ones
+stay serial, and on a busy (oversubscribed) machine the spinning threads
+collapse elastic's throughput (issue 14). ``--clock virtual`` runs the same
+engines, managers and pool with modeled step times on a virtual clock
+(:mod:`kvpool._demo_virtual`): exact figures, independent of machine load.
+``--trace`` picks the arrival shape (:mod:`kvpool._demo_traces`).
+
 Correctness is checked in every run: a sample of requests is decoded again
 with a plain contiguous KV cache and must give the same greedy tokens.
 """
@@ -19,167 +27,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-import os
 import random
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ._demo_model import (BLOCK_BYTES, HEAD_DIM, HEADS, LAYERS, ContiguousKV, PagedKV, TinyDecoder,
+                          greedy)
+from ._demo_traces import BLOCK_TOKENS, SHAPES, Request, make_trace
 from .geometry import Geometry
 from .manager import KVCacheManager
 from .pool import Pool
 
-BLOCK_TOKENS = 16
-VOCAB, HIDDEN, LAYERS, HEADS = 256, 128, 2, 4
-HEAD_DIM = HIDDEN // HEADS
-BLOCK_BYTES = BLOCK_TOKENS * HEADS * HEAD_DIM * 4  # float32 keys (or values) of one block, one layer
 PAGE_BYTES = 64 * 1024
-
-
-# --------------------------------------------------------------------- model
-
-class TinyDecoder:
-    """A random-weight decoder; attention reads K/V through a block table."""
-
-    def __init__(self, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-
-        def w(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=g) / math.sqrt(shape[0])
-
-        self.embed = torch.randn(VOCAB, HIDDEN, generator=g)
-        pos = torch.arange(4096).unsqueeze(1)
-        freq = torch.exp(torch.arange(0, HIDDEN, 2) * (-math.log(10000.0) / HIDDEN))
-        self.pos = torch.zeros(4096, HIDDEN)
-        self.pos[:, 0::2], self.pos[:, 1::2] = torch.sin(pos * freq), torch.cos(pos * freq)
-        self.layers = [
-            {"qkv": w(HIDDEN, 3 * HIDDEN), "o": w(HIDDEN, HIDDEN), "up": w(HIDDEN, 4 * HIDDEN),
-             "down": w(4 * HIDDEN, HIDDEN)}
-            for _ in range(LAYERS)
-        ]
-        self.head = w(HIDDEN, VOCAB)
-
-    @staticmethod
-    def _norm(x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.layer_norm(x, x.shape[-1:])
-
-    def forward(self, tokens: torch.Tensor, start: int, kv: Any) -> torch.Tensor:
-        """Run ``tokens`` (positions start..start+T-1); ``kv`` stores and returns K/V per layer."""
-        x = self.embed[tokens] + self.pos[start : start + len(tokens)]
-        T = len(tokens)
-        for li, layer in enumerate(self.layers):
-            h = self._norm(x)
-            q, k, v = torch.split(h @ layer["qkv"], HIDDEN, dim=-1)
-            q, k, v = (t.view(T, HEADS, HEAD_DIM) for t in (q, k, v))
-            keys, values = kv.write_and_read(li, start, k, v)  # (start+T, HEADS, HEAD_DIM)
-            att = torch.einsum("thd,shd->hts", q, keys) / math.sqrt(HEAD_DIM)
-            causal = torch.arange(start + T).unsqueeze(0) > (torch.arange(T) + start).unsqueeze(1)
-            att = att.masked_fill(causal, float("-inf")).softmax(-1)
-            x = x + torch.einsum("hts,shd->thd", att, values).reshape(T, HIDDEN) @ layer["o"]
-            x = x + torch.relu(self._norm(x) @ layer["up"]) @ layer["down"]
-        return self._norm(x[-1]) @ self.head  # logits of the last position
-
-    def decode(self, tokens: list[int], positions: list[int], kvs: list[Any]) -> torch.Tensor:
-        """One decode step for a batch: linear layers batched, attention per sequence."""
-        B = len(tokens)
-        x = self.embed[torch.tensor(tokens)] + self.pos[torch.tensor(positions)]
-        for li, layer in enumerate(self.layers):
-            q, k, v = torch.split(self._norm(x) @ layer["qkv"], HIDDEN, dim=-1)
-            q, k, v = (t.view(B, HEADS, HEAD_DIM) for t in (q, k, v))
-            outs = []
-            for b in range(B):
-                keys, values = kvs[b].write_and_read(li, positions[b], k[b : b + 1], v[b : b + 1])
-                att = (torch.einsum("hd,shd->hs", q[b], keys) / math.sqrt(HEAD_DIM)).softmax(-1)
-                outs.append(torch.einsum("hs,shd->hd", att, values).reshape(HIDDEN))
-            x = x + torch.stack(outs) @ layer["o"]
-            x = x + torch.relu(self._norm(x) @ layer["up"]) @ layer["down"]
-        return self._norm(x) @ self.head  # (B, VOCAB)
-
-
-class PagedKV:
-    """K/V of one request inside kvpool tensors: block table -> (block, offset) slots."""
-
-    def __init__(self, caches: list[list[torch.Tensor]], blocks: torch.Tensor) -> None:
-        self.caches = caches  # [layer][0=K, 1=V] -> (num_blocks, BLOCK_TOKENS, HEADS, HEAD_DIM)
-        self.blocks = blocks
-
-    def write_and_read(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        pos = torch.arange(start, start + len(k))
-        blk, off = self.blocks[pos // BLOCK_TOKENS], pos % BLOCK_TOKENS
-        kc, vc = self.caches[layer]
-        kc[blk, off] = k
-        vc[blk, off] = v
-        n = start + len(k)
-        used = self.blocks[: (n + BLOCK_TOKENS - 1) // BLOCK_TOKENS]
-        keys = kc[used].reshape(-1, HEADS, HEAD_DIM)[:n]
-        values = vc[used].reshape(-1, HEADS, HEAD_DIM)[:n]
-        return keys, values
-
-
-class ContiguousKV:
-    """The reference: a plain growing tensor per layer (what the check compares against)."""
-
-    def __init__(self) -> None:
-        self.k: list[torch.Tensor] = [torch.empty(0, HEADS, HEAD_DIM) for _ in range(LAYERS)]
-        self.v: list[torch.Tensor] = [torch.empty(0, HEADS, HEAD_DIM) for _ in range(LAYERS)]
-
-    def write_and_read(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        self.k[layer] = torch.cat([self.k[layer][:start], k])
-        self.v[layer] = torch.cat([self.v[layer][:start], v])
-        return self.k[layer], self.v[layer]
-
-
-def greedy(model: TinyDecoder, prompt: list[int], new: int, kv: Any) -> list[int]:
-    out: list[int] = []
-    logits = model.forward(torch.tensor(prompt), 0, kv)
-    for i in range(new):
-        tok = int(logits.argmax())
-        out.append(tok)
-        if i + 1 < new:
-            logits = model.forward(torch.tensor([tok]), len(prompt) + i, kv)
-    return out
-
-
-# --------------------------------------------------------------------- trace
-
-@dataclass
-class Request:
-    rid: str
-    engine: int
-    arrival: float
-    prompt: list[int]
-    new_tokens: int
-    arrived: float = 0.0  # perf_counter() at arrival
-    admitted: float = 0.0
-    first_token: float = 0.0
-    done: float = 0.0
-    output: list[int] = field(default_factory=list)
-
-    @property
-    def blocks(self) -> int:
-        return (len(self.prompt) + self.new_tokens + BLOCK_TOKENS - 1) // BLOCK_TOKENS
-
-
-def make_trace(engines: int, duration: float, burst: int, seed: int) -> list[Request]:
-    """Staggered bursts: engine e bursts while the others are quiet, plus a trickle."""
-    rng = random.Random(seed)
-    reqs: list[Request] = []
-    period = duration / 2
-    for e in range(engines):
-        times = [rng.uniform(0, duration) for _ in range(max(1, burst // 4))]  # background trickle
-        for k in range(2):
-            t0 = k * period + (e + 0.5) * period / engines
-            times += [t0 + rng.uniform(0, period / engines / 3) for _ in range(burst)]
-        for t in sorted(times):
-            plen = rng.randint(48, 160)
-            reqs.append(Request(f"e{e}-{len(reqs)}", e, t, [rng.randrange(VOCAB) for _ in range(plen)],
-                                rng.randint(96, 192)))
-    return sorted(reqs, key=lambda r: r.arrival)
+COMMIT_BYTES_PER_BLOCK = BLOCK_BYTES * LAYERS * 2  # what one block costs the pool (every region)
+TORCH_THREADS = 1  # per engine; see the module docstring
 
 
 # -------------------------------------------------------------------- engine
@@ -206,11 +71,12 @@ class Engine:
                 await asyncio.sleep(delay)
             r.arrived = t0 + r.arrival
             self.waiting += 1
-            ts = time.perf_counter()
             ids = await self.m.alloc(r.blocks)  # backpressure: a burst waits here
             self.waiting -= 1
             r.admitted = time.perf_counter()
-            self.wait_s += r.admitted - ts
+            # From arrival, not from this alloc call: a request queued behind
+            # an earlier one in this loop waits for memory all that time too.
+            self.wait_s += r.admitted - r.arrived
             blocks = torch.from_numpy(ids)
             self.running.append((r, ids, blocks, PagedKV(self.caches, blocks), None))
             self.wake.set()
@@ -260,7 +126,7 @@ def _pct(xs: list[float], q: float) -> float:
 async def run_mode(mode: str, args: argparse.Namespace, trace: list[Request], model: TinyDecoder,
                    live: Any) -> dict[str, Any]:
     geometry = Geometry(LAYERS, 2, BLOCK_BYTES, args.blocks, page_bytes=PAGE_BYTES)
-    pool_bytes = args.pool_mib << 20
+    pool_bytes = args.pool_blocks * COMMIT_BYTES_PER_BLOCK
     pool_name = f"demo-{mode}-{uuid.uuid4().hex[:6]}"
     pool = Pool(pool_name, capacity=pool_bytes)
     slice_bytes = pool_bytes // args.engines
@@ -272,7 +138,7 @@ async def run_mode(mode: str, args: argparse.Namespace, trace: list[Request], mo
             if mode == "static":
                 await m.set_limit(slice_bytes)
             engines.append(Engine(e, m, model))
-        mine = {e: [Request(**{**r.__dict__, "output": []}) for r in trace if r.engine == e]
+        mine = {e: [r.fresh() for r in trace if r.engine == e]
                 for e in range(args.engines)}
         t0 = time.perf_counter()
         peak = [0] * args.engines
@@ -314,8 +180,8 @@ async def run_mode(mode: str, args: argparse.Namespace, trace: list[Request], mo
 
 def summarize(mode: str, args: argparse.Namespace, elapsed: float, timeline: list[dict[str, Any]],
               raw: list[dict[str, Any]]) -> dict[str, Any]:
-    """One mode's figures from each engine's raw results (same shape in- or cross-process)."""
-    pool_bytes = args.pool_mib << 20
+    """One mode's figures from each engine's raw results (same shape in- or cross-process, either clock)."""
+    pool_bytes = args.pool_blocks * COMMIT_BYTES_PER_BLOCK
     per_engine = [{
         "engine": r["engine"], "requests": r["requests"], "tokens": r["tokens"],
         "tokens_per_s": r["tokens"] / elapsed, "ttft_p50_s": _pct(r["ttft"], 50),
@@ -343,11 +209,12 @@ async def run_mode_processes(mode: str, args: argparse.Namespace, live: Any) -> 
     """Each engine in its own process, joined only by the pool ledger."""
     import subprocess
 
-    pool_bytes = args.pool_mib << 20
+    pool_bytes = args.pool_blocks * COMMIT_BYTES_PER_BLOCK
     pool_name = f"demo-{mode}-{uuid.uuid4().hex[:6]}"
     pool = Pool(pool_name, capacity=pool_bytes)
-    argv = [f"--engines={args.engines}", f"--pool-mib={args.pool_mib}", f"--blocks={args.blocks}",
-            f"--duration={args.duration}", f"--burst={args.burst}", f"--seed={args.seed}"]
+    argv = [f"--engines={args.engines}", f"--pool-blocks={args.pool_blocks}", f"--blocks={args.blocks}",
+            f"--duration={args.duration}", f"--burst={args.burst}", f"--seed={args.seed}",
+            f"--trace={args.trace}", f"--prompt-scale={args.prompt_scale}"]
     procs = [subprocess.Popen([sys.executable, "-m", "kvpool.demo", "--worker", mode, str(e), pool_name, *argv],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for e in range(args.engines)]
@@ -395,13 +262,14 @@ async def run_mode_processes(mode: str, args: argparse.Namespace, live: Any) -> 
 
 async def worker(mode: str, index: int, pool_name: str, args: argparse.Namespace) -> None:
     """The engine process of ``--processes``: serve this engine's share of the trace."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(TORCH_THREADS)
     model = TinyDecoder(args.seed)
-    trace = [r for r in make_trace(args.engines, args.duration, args.burst, args.seed) if r.engine == index]
+    trace = [r for r in make_trace(args.engines, args.duration, args.burst, args.seed, args.trace,
+                                   args.prompt_scale) if r.engine == index]
     geometry = Geometry(LAYERS, 2, BLOCK_BYTES, args.blocks, page_bytes=PAGE_BYTES)
     m = KVCacheManager(geometry, pool=Pool(pool_name, create=False), name=f"engine-{index}", reserve=(1, 2))
     if mode == "static":
-        await m.set_limit((args.pool_mib << 20) // args.engines)
+        await m.set_limit(args.pool_blocks * COMMIT_BYTES_PER_BLOCK // args.engines)
     eng = Engine(index, m, model)
     greedy(model, trace[0].prompt, 4, ContiguousKV())  # warm up before the clock starts
     print("ready", flush=True)
@@ -460,20 +328,53 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def _derive(args: argparse.Namespace) -> str:
+    """Fill in the figures derived from the options; return what is wrong with them ("" if nothing)."""
+    if args.pool_blocks is None:
+        args.pool_blocks = (args.pool_mib << 20) // COMMIT_BYTES_PER_BLOCK
+    if args.engines < 1 or args.pool_blocks < 1 or args.pool_mib < 1 or args.duration <= 0 or args.burst < 1:
+        return "--engines, --pool-mib, --pool-blocks and --burst must be >= 1, --duration > 0"
+    if not args.prompt_scale > 0:
+        return f"--prompt-scale must be > 0, got {args.prompt_scale}"
+    if args.clock == "virtual" and args.processes:
+        return "--clock virtual runs every engine in this process: drop --processes"
+    return ""
+
+
+def _slice_blocks(args: argparse.Namespace) -> int:
+    """Blocks a static slice can hold: whole pages only, as the limit counts them."""
+    if args.clock == "virtual":
+        from ._demo_virtual import blocks_per_page
+
+        per_page = blocks_per_page(args.pool_blocks)
+    else:
+        per_page = PAGE_BYTES // BLOCK_BYTES
+    return int(args.pool_blocks // (args.engines * per_page) * per_page)
+
+
 async def main_async(args: argparse.Namespace) -> int:
     from .demo_report import ReportConsole as Console  # highlighting off: "0.40x" stays one colour
     from rich.live import Live
     from rich.table import Table
 
     console = Console(stderr=args.json)
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    if args.engines < 1 or args.pool_mib < 1 or args.duration <= 0 or args.burst < 1:
-        print("kvpool demo: --engines, --pool-mib and --burst must be >= 1, --duration > 0", file=sys.stderr)
+    problem = _derive(args)
+    if problem:
+        print(f"kvpool demo: {problem}", file=sys.stderr)
         return 2
-    model = TinyDecoder(args.seed)
-    trace = make_trace(args.engines, args.duration, args.burst, args.seed)
-    # Warm torch up so the first mode timed does not pay for first calls.
-    greedy(model, trace[0].prompt, 4, ContiguousKV())
+    virtual = args.clock == "virtual"
+    torch.set_num_threads(TORCH_THREADS)
+    trace = make_trace(args.engines, args.duration, args.burst, args.seed, args.trace, args.prompt_scale)
+    biggest = max(r.blocks for r in trace)
+    if biggest > _slice_blocks(args):
+        print(f"kvpool demo: the largest request needs {biggest} blocks but a static slice holds "
+              f"{_slice_blocks(args)} (pool {args.pool_blocks} blocks / {args.engines} engines): use a larger "
+              "--pool-mib/--pool-blocks, fewer --engines or a smaller --prompt-scale", file=sys.stderr)
+        return 2
+    model = None if virtual else TinyDecoder(args.seed)
+    if model is not None:
+        # Warm torch up so the first mode timed does not pay for first calls.
+        greedy(model, trace[0].prompt, 4, ContiguousKV())
     show_live = not args.no_live and console.is_terminal
     live_ctx = Live(console=console, refresh_per_second=4, transient=True) if show_live else None
 
@@ -484,43 +385,65 @@ async def main_async(args: argparse.Namespace) -> int:
         for col in ("engine", "running", "waiting", "done", "committed MiB"):
             t.add_column(col, justify="right")
         for eng in engines:
-            if isinstance(eng, Engine):
-                t.add_row(str(eng.index), str(len(eng.running)), str(eng.waiting), str(len(eng.finished)),
-                          f"{eng.m.stats().committed_bytes / 2**20:.1f}")
-            else:  # (index, TenantInfo | None) from the pool ledger
+            if isinstance(eng, tuple):  # (index, TenantInfo | None) from the pool ledger
                 e, info = eng
                 t.add_row(str(e), "-", str(info.waiting if info else 0), "-",
                           f"{(info.committed_bytes if info else 0) / 2**20:.1f}")
+            else:  # an Engine or a VirtualEngine of this process
+                t.add_row(str(eng.index), str(len(eng.running)), str(eng.waiting), str(len(eng.finished)),
+                          f"{eng.m.stats().committed_bytes / 2**20:.1f}")
         live_ctx.update(t)
 
+    pool_mib = args.pool_blocks * COMMIT_BYTES_PER_BLOCK / 2**20
+    if virtual:
+        from . import _demo_virtual
+        clock = ("virtual (engine steps modeled from their batches, not run: "
+                 "kvpool/_demo_virtual.py; no figure depends on this machine's load)")
+    else:
+        clock = (f"real; torch: {TORCH_THREADS} compute thread per engine (more threads collapse when the "
+                 "machine is busy: issue 14)")
     if not args.json:
-        console.print(f"{args.engines} engines, {len(trace)} requests over {args.duration:.0f} s, pool "
-                      f"{args.pool_mib} MiB ({args.pool_mib / args.engines:.1f} MiB a slice when static)")
+        console.print(f"{args.engines} engines, {len(trace)} requests ({args.trace} trace) over "
+                      f"{args.duration:g} s, pool {pool_mib:g} MiB = {args.pool_blocks} blocks "
+                      f"({pool_mib / args.engines:.1f} MiB a slice when static); clock: {clock}")
     results: dict[str, dict[str, Any]] = {}
     for mode in ("elastic", "static"):
-        runner = run_mode_processes(mode, args, render) if args.processes else run_mode(
-            mode, args, trace, model, render)
+        if virtual:
+            runner = _demo_virtual.run_mode_virtual(mode, args, trace, render)
+        elif args.processes:
+            runner = run_mode_processes(mode, args, render)
+        else:
+            assert model is not None
+            runner = run_mode(mode, args, trace, model, render)
         if live_ctx is not None:
             with live_ctx:
                 results[mode] = await runner
         else:
             results[mode] = await runner
         if not args.json:
-            console.print(f"{mode}: {results[mode]['requests']} requests in {results[mode]['elapsed_s']:.1f} s")
+            console.print(f"{mode}: {results[mode]['requests']} requests in {results[mode]['elapsed_s']:.1f} s"
+                          + (" (virtual)" if virtual else ""))
     served_same = set(results["elastic"]["outputs"]) == set(results["static"]["outputs"]) == {r.rid for r in trace}
-    same_tokens = results["elastic"]["outputs"] == results["static"]["outputs"]
-    bad = check_correctness(model, trace, results["elastic"]["outputs"], args.check, args.seed)
+    # The virtual clock computes no tokens: nothing to compare, said as None.
+    same_tokens = None if virtual else results["elastic"]["outputs"] == results["static"]["outputs"]
+    checked = 0 if model is None else min(args.check, len(trace))
+    bad = [] if model is None else check_correctness(model, trace, results["elastic"]["outputs"], args.check,
+                                                     args.seed)
     plot(results, args.plot, args.engines)
     rat = ratios(results)
     if args.json:
         out = {
-            "engines": args.engines, "pool_mib": args.pool_mib, "seed": args.seed, "requests": len(trace),
-            "plot": args.plot, "ratios_elastic_over_static": rat,
-            "correctness": {"checked": min(args.check, len(trace)), "mismatches": bad,
+            "engines": args.engines, "pool_mib": pool_mib, "pool_blocks": args.pool_blocks, "seed": args.seed,
+            "requests": len(trace), "trace": args.trace, "prompt_scale": args.prompt_scale,
+            "clock": args.clock, "torch_threads": TORCH_THREADS, "plot": args.plot,
+            "ratios_elastic_over_static": rat,
+            "correctness": {"checked": checked, "mismatches": bad,
                             "same_requests_served": served_same, "same_tokens_both_modes": same_tokens},
             "elastic": {k: v for k, v in results["elastic"].items() if k != "outputs"},
             "static": {k: v for k, v in results["static"].items() if k != "outputs"},
         }
+        if virtual:
+            out["step_model"] = _demo_virtual.step_model()
         json.dump(out, sys.stdout, indent=1)
         print()
     else:
@@ -529,10 +452,14 @@ async def main_async(args: argparse.Namespace) -> int:
             f"elastic / static: throughput {rat['tokens_per_s']:.2f}x, TTFT p50 {rat['ttft_p50']:.2f}x, "
             f"TTFT p99 {rat['ttft_p99']:.2f}x, time waiting for memory {rat['wait']:.2f}x "
             "(below 1 is better for TTFT and waiting)")
-        console.print(f"correctness: {min(args.check, len(trace))} sampled requests match a contiguous-KV "
-                      f"decode: {'yes' if not bad else 'NO: ' + ', '.join(bad)}; both modes served the same "
-                      f"requests: {'yes' if served_same else 'NO'}; plot: {args.plot}")
-    if bad or not served_same or not same_tokens:
+        if virtual:
+            console.print(f"correctness: not checked (the virtual clock computes no tokens); both modes served "
+                          f"the same requests: {'yes' if served_same else 'NO'}; plot: {args.plot}")
+        else:
+            console.print(f"correctness: {checked} sampled requests match a contiguous-KV "
+                          f"decode: {'yes' if not bad else 'NO: ' + ', '.join(bad)}; both modes served the same "
+                          f"requests: {'yes' if served_same else 'NO'}; plot: {args.plot}")
+    if bad or not served_same or same_tokens is False:
         print("kvpool demo: correctness check FAILED", file=sys.stderr)
         return 1
     return 0
@@ -541,10 +468,22 @@ async def main_async(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=3, help="engines sharing the pool (default 3)")
     p.add_argument("--pool-mib", type=int, default=8, help="pool size in MiB (default 8)")
+    p.add_argument("--pool-blocks", type=int, default=None,
+                   help="pool size in blocks (of 32 KiB, 8 a page); overrides --pool-mib")
     p.add_argument("--blocks", type=int, default=4096, help="virtual blocks per engine (default 4096)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of request arrivals (default 10)")
     p.add_argument("--burst", type=int, default=24, help="requests per burst (default 24)")
     p.add_argument("--seed", type=int, default=0, help="trace and weights seed")
+    p.add_argument("--trace", choices=SHAPES, default="bursty",
+                   help="arrival shape: bursty (default), steady, saturated (engine 0 overloaded, others light)")
+    p.add_argument("--prompt-scale", type=float, default=1.0,
+                   help="stretch prompts (48-160 tokens at 1): a large pool's what-if with long contexts")
+    p.add_argument("--clock", choices=("real", "virtual"), default="real",
+                   help="real: run the engines; virtual: model their step times on a virtual clock "
+                        "(exact, load-independent, fast)")
+    p.add_argument("--compute", choices=("shared", "per-engine"), default="shared",
+                   help="virtual clock: one device runs one engine step at a time (shared, as the real "
+                        "in-process demo's one thread) or every engine has its own (per-engine)")
     p.add_argument("--check", type=int, default=6, help="requests re-decoded with a contiguous cache")
     p.add_argument("--plot", default="kvpool-demo.png", help="where to write the PNG plot")
     p.add_argument("--processes", action="store_true",
@@ -553,7 +492,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print every figure as JSON on stdout")
 
 
+def options(argv: list[str]) -> argparse.Namespace:
+    """The demo's options from ``argv``, derived figures filled in (ValueError if they do not fit)."""
+    ap = argparse.ArgumentParser(prog="kvpool demo")
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    problem = _derive(args)
+    if problem:
+        raise ValueError(problem)
+    return args
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.clock == "virtual":
+        from ._demo_clock import run_virtual
+
+        return run_virtual(main_async(args))
     return asyncio.run(main_async(args))
 
 
@@ -563,4 +517,5 @@ if __name__ == "__main__":
         ap = argparse.ArgumentParser()
         add_arguments(ap)
         wargs = ap.parse_args(sys.argv[5:])
+        _derive(wargs)
         asyncio.run(worker(sys.argv[2], int(sys.argv[3]), sys.argv[4], wargs))

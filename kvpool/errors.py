@@ -18,6 +18,7 @@ __all__ = [
     "LedgerError",
     "PoolClosed",
     "PoolExhausted",
+    "RequestTooLarge",
 ]
 
 
@@ -35,6 +36,22 @@ class PoolExhausted(KVPoolError):
         if detail:
             msg += f" ({detail})"
         super().__init__(msg)
+
+
+class RequestTooLarge(PoolExhausted, ValueError):
+    """A request larger than the tenant can ever hold: refused at once, never queued.
+
+    ``max_blocks`` is the most this tenant can hold (the min of its limit and
+    the pool's capacity, through the page formula). It is a
+    :class:`PoolExhausted` (code that treats any miss as a shortage keeps
+    working) and a ``ValueError`` (waiting cannot help: the request is wrong
+    for this tenant).
+    """
+
+    def __init__(self, requested: int, max_blocks: int, detail: str = "", available: int = 0) -> None:
+        self.max_blocks = max_blocks
+        super().__init__(requested, available,
+                         detail or f"this tenant can never hold more than {max_blocks} blocks")
 
 
 class PoolClosed(KVPoolError):

@@ -23,12 +23,22 @@ from typing import Any, Literal
 import numpy as np
 
 from . import _core
+from ._validate import integer
 from .errors import GeometryError
 
-__all__ = ["MiB", "Geometry"]
+__all__ = ["MAX_VIRTUAL_BYTES", "MiB", "Geometry"]
 
 MiB = 1 << 20
 Layout = Literal["per_layer", "contiguous"]
+
+# The most virtual memory one space may reserve: user space on x86-64 and
+# aarch64 (4-level page tables) is 2**47 bytes, and CUDA's unified address
+# space is no larger. Every product Geometry computes (regions x region
+# bytes, pages x page bytes, blocks x block bytes) is bounded by it in Python
+# ints before any reaches the native core's int64: 2**43 + 1 regions of
+# 2 MiB wrapped there to a 2 MiB memory file that the first commit then grew
+# until the OOM killer came (issue 10, D8).
+MAX_VIRTUAL_BYTES = 1 << 47
 
 
 def _fmt(n: int) -> str:
@@ -43,9 +53,17 @@ def _check_int(name: str, value: object, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int):
-        raise GeometryError(f"{name} must be an int, got {value!r}")
+        raise GeometryError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if value <= 0:
         raise GeometryError(f"{name} must be positive, got {value}")
+
+
+def _check_virtual(what: str, size: int, fix: str) -> None:
+    if size > MAX_VIRTUAL_BYTES:
+        raise GeometryError(
+            f"{what} = {size} bytes exceeds the {MAX_VIRTUAL_BYTES} bytes (2**47, 128 TiB) of virtual "
+            f"address space a KV space can reserve; {fix}"
+        )
 
 
 @dataclass(frozen=True)
@@ -81,8 +99,15 @@ class Geometry:
         _check_int("memory_bytes", self.memory_bytes, allow_none=True)
         if self.layout not in ("per_layer", "contiguous"):
             raise GeometryError(f"layout must be 'per_layer' or 'contiguous', got {self.layout!r}")
+        for name in ("page_bytes", "block_bytes", "granularity"):
+            _check_virtual(name, getattr(self, name), f"use a smaller {name}")
         self.check_granularity(self.granularity)
         g, P, B = self.granularity, self.page_bytes, self.region_block_bytes
+        if self.layout == "contiguous":
+            _check_virtual(
+                "a contiguous block (block_bytes x num_layers x num_kv_buffers)", B,
+                "use fewer layers or smaller blocks, or the per_layer layout",
+            )
         if B > P:
             fix = math.ceil(B / g) * g
             what = "block_bytes" if self.layout == "per_layer" else (
@@ -103,12 +128,22 @@ class Geometry:
                     f"({self.page_commit_bytes} = {self.num_regions} regions x {P}); "
                     f"use memory_bytes >= {self.page_commit_bytes}"
                 )
+            _check_virtual(f"memory_bytes ({self.memory_bytes}) in whole page commits", pages * self.page_commit_bytes,
+                           "use a smaller memory_bytes")
             object.__setattr__(self, "num_blocks", (pages * P) // B)
-        if self.blocks * B >= 1 << 62:
-            raise GeometryError(
-                f"num_blocks ({self.blocks}) x block bytes ({B}) does not fit a 64-bit address range; "
-                "use fewer or smaller blocks"
-            )
+        # The native formula's products, in Python ints (no wrap-around), before
+        # page_ranges is asked: pages = ceil(num_blocks x B / P).
+        _check_virtual(f"num_blocks ({self.blocks}) x block bytes ({B})", self.blocks * B,
+                       "use fewer or smaller blocks")
+        pages = -(-self.blocks * B // P)
+        _check_virtual(f"{pages} pages x page_bytes ({P}) per region", pages * P, "use fewer or smaller blocks")
+        R = self.num_regions
+        regions = (f"num_regions ({R} = num_layers {self.num_layers} x num_kv_buffers {self.num_kv_buffers})"
+                   if self.layout == "per_layer" else "one contiguous region")
+        _check_virtual(
+            f"{regions} x region bytes ({pages} pages x {P})", R * pages * P,
+            "use fewer layers, fewer or smaller blocks, or split the model over several spaces",
+        )
         if self.capacity == 0:
             raise GeometryError(
                 f"no block of {B} bytes fits whole in a {P}-byte page with num_blocks="
@@ -161,6 +196,7 @@ class Geometry:
 
     def block_range(self, page: int) -> range:
         """Block ids held by ``page``."""
+        page = integer("page", page, lo=-(2**63))
         if not 0 <= page < self.num_pages:
             raise IndexError(f"page {page} out of range [0, {self.num_pages})")
         first, last = self._ranges
@@ -168,6 +204,7 @@ class Geometry:
 
     def page_of(self, block: int) -> int | None:
         """Page of ``block``, or ``None`` for a straddling block."""
+        block = integer("block", block, lo=-(2**63))
         if not 0 <= block < self.blocks:
             raise IndexError(f"block {block} out of range [0, {self.blocks})")
         # Read off the native ranges so the formula lives once. They are
@@ -185,6 +222,7 @@ class Geometry:
     def check_granularity(self, granularity: int, device: str | None = None) -> None:
         """Raise :class:`GeometryError` unless ``page_bytes`` is a multiple of
         ``granularity`` (the step of ``device``'s backend), naming the fix."""
+        _check_int("granularity", granularity)
         P, g = self.page_bytes, granularity
         if P % g:
             fix = math.ceil(P / g) * g

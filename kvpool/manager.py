@@ -37,12 +37,13 @@ import anyio.to_thread
 import numpy as np
 import torch
 
+from . import _validate as V
 from . import tracing
 from ._waitqueue import WaitQueue, Waiter, WaiterState
-from .errors import KVPoolError, PoolClosed, PoolExhausted
+from .errors import KVPoolError, PoolClosed, PoolExhausted, RequestTooLarge
 from .geometry import Geometry
 from .pool import Pool, default_pool_name
-from .space import BlockIds, KVSpace, PageInfo, SpaceStats
+from .space import BlockIds, BudgetStats, KVSpace, PageInfo, SpaceStats
 
 __all__ = ["Blocks", "KVCacheManager", "LimitState", "ManagerStats", "Reservation"]
 
@@ -73,6 +74,9 @@ class ManagerStats:
     limit_bytes: int | None
     limit_revision: int
     limit_state: LimitState
+    guarantee_bytes: int
+    borrowed_bytes: int
+    lending: bool
     granted_at_once: int
     granted_after_wait: int
     timeouts: int
@@ -102,8 +106,7 @@ class Reservation:
     def take(self, k: int) -> BlockIds:
         if self._closed:
             raise PoolClosed("reservation is closed")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"k must be a non-negative int, got {k!r}")
+        k = V.integer("k", k)
         if k > self.remaining:
             raise PoolExhausted(k, self.remaining, "reservation holds fewer blocks")
         out = self._ids[self._pos : self._pos + k]
@@ -151,6 +154,9 @@ class KVCacheManager:
         null_block: hold block 0 for the engine's padding.
         reserve, reserve_thread: see :class:`kvpool.KVSpace`.
         limit_bytes: initial cap on committed bytes (revision 0).
+        guarantee_bytes: in a pool, bytes this tenant can always get back
+            (revision 0; ``None``: an equal share of the pool among its
+            tenants). See DESIGN.md, "Fair share".
     """
 
     def __init__(
@@ -164,6 +170,7 @@ class KVCacheManager:
         reserve: tuple[int, int] = (1, 2),
         reserve_thread: bool = True,
         limit_bytes: int | None = None,
+        guarantee_bytes: int | None = None,
     ) -> None:
         self.name = name if name is not None else f"{os.getpid()}-{next(_names)}"
         if pool == "default":
@@ -171,6 +178,7 @@ class KVCacheManager:
         self.space = KVSpace(
             geometry, device=device, null_block=null_block, reserve=reserve,
             reserve_thread=reserve_thread, limit_bytes=limit_bytes, pool=pool, name=self.name,
+            guarantee_bytes=guarantee_bytes,
         )
         self.pool = self.space.pool.name if self.space.pool is not None else "-"
 
@@ -182,25 +190,38 @@ class KVCacheManager:
         self._watch_scope: anyio.CancelScope | None = None
         self._watcher_gone: anyio.Event | None = None
         self._reported_waiting = 0
-        # The limit in force without a pool (in a pool it lives in the ledger:
-        # the construction limit went there at revision 0).
-        self._limit_bytes = limit_bytes
-        self._limit_revision = 0
         self._limit_state = LimitState.APPLIED
+        self._lending = False
+        self._guarantee = 0
         self._counts = {"at_once": 0, "after_wait": 0, "timeouts": 0, "cancellations": 0, "shortages": 0}
         self._log = tracing.get_logger(pool=self.pool, tenant=self.name)
         self._refresh_limit_state(log=False)
+        self._refresh_budget()
 
     # ------------------------------------------------------------------ alloc
-    def _validate(self, n: int, priority: int) -> None:
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"n must be a non-negative int, got {n!r}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
+    def _validate(self, n: int, priority: int) -> int:
+        """The checked ``n`` (an int) of an alloc."""
+        n = V.integer("n", n)
+        V.integer("priority", priority, lo=-(2**63))
         if self._closed:
             raise PoolClosed(f"manager {self.name!r} is closed")
         if n > self._usable:
-            raise ValueError(f"alloc({n}) can never be granted: the space holds {self._usable} usable blocks")
+            raise RequestTooLarge(n, self._usable, f"alloc({n}) can never be granted: the space holds "
+                                  f"{self._usable} usable blocks")
+        return n
+
+    def _admit(self, n: int) -> None:
+        """Refuse at once what this tenant can never hold (it would block the queue's head forever)."""
+        max_blocks = self.space.max_blocks()
+        if n > max_blocks:
+            self._counts["shortages"] += 1
+            self._log.info("alloc.refused", requested=n, max_blocks=max_blocks)
+            b = self.space.budget()
+            raise RequestTooLarge(
+                n, max_blocks,
+                f"this tenant can never hold more than {max_blocks} blocks "
+                f"(limit {b.limit_bytes} bytes, pool capacity {b.pool_capacity} bytes)",
+            )
 
     def _grant_now(self, n: int) -> tuple[BlockIds, int]:
         """n ids now (or PoolExhausted), and what is available after them."""
@@ -211,7 +232,7 @@ class KVCacheManager:
 
     def alloc_nowait(self, n: int, *, priority: int = 0) -> BlockIds:
         """n block ids now, or :class:`PoolExhausted` (never queues, never barges)."""
-        self._validate(n, priority)
+        n = self._validate(n, priority)
         if n == 0:
             return _EMPTY.copy()
         if self._queue.has_waiters_at_or_before(priority):
@@ -237,23 +258,42 @@ class KVCacheManager:
         raises :class:`PoolClosed`. Cancellation never leaks a block.
         """
         await anyio.lowlevel.checkpoint_if_cancelled()
-        self._validate(n, priority)
-        if timeout is not None and (not isinstance(timeout, (int, float)) or math.isnan(timeout)):
+        n = self._validate(n, priority)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or math.isnan(timeout)):
             raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
         if n == 0:
             return _EMPTY.copy()
         if not self._queue.has_waiters_at_or_before(priority):
             try:
                 ids = self._grant_now(n)[0]
+            except RequestTooLarge:
+                self._counts["shortages"] += 1
+                raise  # admission: never queued
             except PoolExhausted:
                 pass
             else:
+                try:
+                    # The schedule point every alloc has. anyio's shield holds off
+                    # anyio and trio cancellation, but not asyncio's own
+                    # (Task.cancel, wait_for, asyncio.timeout): the ids were granted,
+                    # so a cancellation here gives them back (issue 10, D1).
+                    await anyio.lowlevel.cancel_shielded_checkpoint()
+                except BaseException:
+                    self._counts["cancellations"] += 1
+                    self._log.info("alloc.cancelled", n=n, waited_ms=0.0, after_grant=True)
+                    if not self._closed:
+                        self.free(ids)
+                    raise
                 self._counts["at_once"] += 1
                 if tracing.enabled(tracing.DEBUG):
                     self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
-                await anyio.lowlevel.cancel_shielded_checkpoint()
                 return ids
+        self._admit(n)
         w = Waiter(n, priority)
+        if self.space.pool is not None:
+            b = self.space.budget()
+            w.below_guarantee = b.claimed_bytes < b.guarantee_bytes
         self._queue.push(w)
         self._report_waiting()
         scope = anyio.fail_after(timeout) if timeout is not None else contextlib.nullcontext()
@@ -274,6 +314,8 @@ class KVCacheManager:
             assert w.error is not None
             raise w.error
         self._counts["after_wait"] += 1
+        if w.below_guarantee:
+            self._log.info("budget.reclaim", n=n, waited_ms=round((time.perf_counter() - w.enqueued_at) * 1e3, 3))
         self._log.info("alloc.waited", n=n, waited_ms=round((time.perf_counter() - w.enqueued_at) * 1e3, 3),
                        priority=priority)
         return w.result  # type: ignore[no-any-return]
@@ -330,6 +372,16 @@ class KVCacheManager:
         while len(self._queue) and not self._closed:
             batch = self._queue.take_prefix(self.space.available() if available is None else available)
             if not batch:
+                head = self._queue.head()
+                if head is not None and head.n > self.space.max_blocks():
+                    # A lowered limit made the head impossible: fail it rather
+                    # than let it block everyone behind it.
+                    self._queue.remove(head)
+                    head.state = WaiterState.GONE
+                    head.error = RequestTooLarge(head.n, self.space.max_blocks())
+                    self._wake(head)
+                    available = None
+                    continue
                 break
             total = sum(w.n for w in batch)
             try:
@@ -374,10 +426,41 @@ class KVCacheManager:
         if w is self._watcher and self._watch_scope is not None:
             self._watch_scope.cancel()
 
+    def poll(self) -> None:
+        """Re-check the native capacity now and grant the waiters that fit.
+
+        Capacity another tenant gives back reaches this manager through the
+        space's eventfd, whenever the event loop next looks at it. A caller
+        that knows capacity just changed and drives every tenant from one
+        thread (``kvpool demo --clock virtual``) calls this to hand it over
+        at that instant, so no grant depends on when the loop looked.
+        """
+        if self._closed:
+            raise PoolClosed(f"manager {self.name!r} is closed")
+        self._on_native_wakeup()
+
     def _on_native_wakeup(self) -> None:
         self._dispatch()
         if self._limit_state is LimitState.DEFERRED or self.space.pool is not None:
             self._refresh_limit_state()  # an operator may have set a limit in the pool
+        if self.space.pool is not None:
+            self._refresh_budget()
+
+    def _refresh_budget(self, b: BudgetStats | None = None) -> None:
+        """Trace the budget's verdicts as they change (the native budget decides them)."""
+        if b is None:
+            b = self.space.budget()
+        if b.lending != self._lending:
+            self._lending = b.lending
+            if b.lending:
+                self._log.info("budget.lend", borrowed_bytes=b.borrowed_bytes, guarantee_bytes=b.guarantee_bytes,
+                               claimed_bytes=b.claimed_bytes)
+            else:
+                self._log.info("budget.lend.done", claimed_bytes=b.claimed_bytes)
+        if b.guarantee_bytes != self._guarantee:
+            self._guarantee = b.guarantee_bytes
+            self._log.info("budget.guarantee", guarantee_bytes=b.guarantee_bytes,
+                           explicit=b.guarantee_setting is not None, revision=b.guarantee_revision)
 
     # ------------------------------------------------------------------- free
     def free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> None:
@@ -405,24 +488,19 @@ class KVCacheManager:
         once usage is under it. In a pool the limit lives in the ledger, so
         ``kvpool top`` shows it and ``kvpool limit`` shares the revisions.
         """
-        if limit_bytes is not None and (isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int)
-                                        or limit_bytes < 0):
-            raise ValueError(f"limit_bytes must be a non-negative int or None, got {limit_bytes!r}")
+        limit_bytes = V.optional_integer("limit_bytes", limit_bytes)
+        revision = V.optional_integer("revision", revision, lo=-(2**63))  # below the one in force: stale
         if self._closed:
             raise PoolClosed(f"manager {self.name!r} is closed")
         cur_bytes, cur_rev = self._limit_setting()
-        if revision is None:
-            revision = cur_rev + 1
-        if revision < cur_rev:
-            outcome = "stale"
-        elif revision == cur_rev:
-            outcome = "same" if limit_bytes == cur_bytes else "conflict"
+        if revision is not None and (isinstance(revision, bool) or not isinstance(revision, int)):
+            raise TypeError(f"revision must be an int or None, got {revision!r}")
+        # The native budget judges the revision (stale, conflict, same) and
+        # applies the limit (releases idle pages above it, wakes waiters).
+        if revision is not None and revision < 0:
+            outcome = "stale"  # every revision in force is >= 0
         else:
-            # Sets and applies it natively (releases idle pages above it, wakes
-            # waiters); in a pool another setter may have won the race since.
-            outcome = self.space._set_limit(limit_bytes, revision)
-            if self.space.pool is None:
-                self._limit_bytes, self._limit_revision = limit_bytes, revision
+            outcome = self.space._set_limit(limit_bytes, -1 if revision is None else revision)
         if outcome == "stale":
             self._log.info("limit.stale", limit_bytes=limit_bytes, revision=revision, current=cur_rev)
             return LimitState.STALE
@@ -440,10 +518,30 @@ class KVCacheManager:
         return state
 
     def _limit_setting(self) -> tuple[int | None, int]:
-        """(limit bytes, revision) in force: the pool ledger's, or the local one."""
-        if self.space.pool is not None:
-            return self.space.limit_setting()
-        return self._limit_bytes, self._limit_revision
+        """(limit bytes, revision) in force (the native budget's)."""
+        return self.space.limit_setting()
+
+    def set_guarantee(self, guarantee_bytes: int | None, *, revision: int | None = None) -> LimitState:
+        """Guarantee this tenant ``guarantee_bytes`` of its pool (``None``: the equal default share).
+
+        Revisioned like limits (``STALE``/``CONFLICT`` as there); explicit
+        guarantees may not add up to more than the pool's capacity
+        (``ValueError`` naming the numbers). Returns ``APPLIED`` when in force.
+        """
+        if self._closed:
+            raise PoolClosed(f"manager {self.name!r} is closed")
+        if self.space.pool is None:
+            raise ValueError("set_guarantee needs a pool: a private manager has the whole budget")
+        if revision is not None and (isinstance(revision, bool) or not isinstance(revision, int)):
+            raise TypeError(f"revision must be an int or None, got {revision!r}")
+        outcome = self.space._set_guarantee(guarantee_bytes, -1 if revision is None else revision)
+        self._refresh_budget()
+        if outcome == "stale":
+            return LimitState.STALE
+        if outcome == "conflict":
+            return LimitState.CONFLICT
+        self._dispatch()  # a raised guarantee may let waiters in
+        return LimitState.APPLIED
 
     def _refresh_limit_state(self, s: SpaceStats | None = None, *, log: bool = True,
                              force_log: bool = False) -> LimitState:
@@ -470,6 +568,7 @@ class KVCacheManager:
 
         Zero while earlier waiters are queued (they get freed blocks first).
         """
+        V.integer("priority", priority, lo=-(2**63))
         if self._closed:
             raise PoolClosed(f"manager {self.name!r} is closed")
         if self._queue.has_waiters_at_or_before(priority):
@@ -483,7 +582,7 @@ class KVCacheManager:
     def stats(self) -> ManagerStats:
         s = self.space.stats()  # one snapshot: available and the limit verdict come from it too
         c = self._counts
-        limit_bytes, limit_revision = self._limit_setting()
+        limit_bytes, limit_revision = s.budget.limit_bytes, s.budget.limit_revision
         if not self._closed and (self._limit_state is LimitState.DEFERRED or self.space.pool is not None):
             self._refresh_limit_state(s)
         available = 0 if self._closed or self._queue.has_waiters_at_or_before(0) else s.available
@@ -492,7 +591,8 @@ class KVCacheManager:
             available=available, waiting=len(self._queue),
             waiting_blocks=self._queue.waiting_blocks, committed_bytes=s.committed_bytes,
             limit_bytes=limit_bytes, limit_revision=limit_revision, limit_state=self._limit_state,
-            granted_at_once=c["at_once"], granted_after_wait=c["after_wait"], timeouts=c["timeouts"],
+            guarantee_bytes=s.budget.guarantee_bytes, borrowed_bytes=s.budget.borrowed_bytes,
+            lending=s.budget.lending, granted_at_once=c["at_once"], granted_after_wait=c["after_wait"], timeouts=c["timeouts"],
             cancellations=c["cancellations"], shortages=c["shortages"], space=s,
         )
 

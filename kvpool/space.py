@@ -19,17 +19,56 @@ import torch
 import torch.utils.dlpack
 
 from . import _core
+from . import _validate as V
 from .errors import BackendError, GeometryError, InvalidBlocks, PoolClosed
 from .geometry import Geometry
 from .pool import Pool
 
-__all__ = ["KVSpace", "PageInfo", "SharedMemory", "SpaceStats", "cuda_unavailable_reason", "map_shared"]
+__all__ = ["BudgetStats", "KVSpace", "PageInfo", "SharedMemory", "SpaceStats", "cuda_unavailable_reason",
+           "map_shared"]
 
 BlockIds = npt.NDArray[np.int64]
 PageStateName = Literal["free", "committing", "reserve", "active", "releasing"]
 _STATE_NAMES: tuple[PageStateName, ...] = ("free", "committing", "reserve", "active", "releasing")
 _tenant_ids = itertools.count()
 _FAULT_KINDS = {"commit": 0, "release": 1}
+
+
+@dataclass(frozen=True)
+class BudgetStats:
+    """A tenant's budget as its one native owner sees it (DESIGN.md, "Fair share").
+
+    ``guarantee_bytes`` is the guarantee in force: the explicit one
+    (``guarantee_setting``), or an equal share of what explicit guarantees
+    leave among the pool's tenants on the default. ``borrowed_bytes`` is
+    what the tenant holds above it; while ``lending`` (it borrows and a
+    tenant below its guarantee waits) its allocs are refused and its emptied
+    pages go back to the pool at once. A private space (no pool) has no
+    guarantee (0) and never lends.
+    """
+
+    pooled: bool
+    limit_bytes: int | None
+    limit_revision: int
+    guarantee_bytes: int
+    guarantee_setting: int | None
+    guarantee_revision: int
+    claimed_bytes: int
+    borrowed_bytes: int
+    want_bytes: int
+    lending: bool
+    pool_capacity: int | None
+
+    @classmethod
+    def _from_native(cls, b: Any) -> BudgetStats:
+        return cls(
+            pooled=bool(b.pooled), limit_bytes=None if b.limit_bytes < 0 else int(b.limit_bytes),
+            limit_revision=int(b.limit_revision), guarantee_bytes=int(b.guarantee_bytes),
+            guarantee_setting=None if b.guarantee_setting < 0 else int(b.guarantee_setting),
+            guarantee_revision=int(b.guarantee_revision), claimed_bytes=int(b.claimed_bytes),
+            borrowed_bytes=int(b.borrowed_bytes), want_bytes=int(b.want_bytes), lending=bool(b.lending),
+            pool_capacity=None if b.pool_capacity < 0 else int(b.pool_capacity),
+        )
 
 
 @dataclass(frozen=True)
@@ -60,6 +99,14 @@ class SpaceStats:
     commit_failures: int
     release_failures: int
     last_error: str
+    max_blocks: int  # the most this tenant can ever hold: larger allocs raise RequestTooLarge
+    budget: BudgetStats
+    backend: str  # what the backend chose (mapping count, CUDA map-offset mode)
+
+    @classmethod
+    def _from_native(cls, s: Any) -> SpaceStats:
+        names = [f for f in cls.__dataclass_fields__ if f != "budget"]
+        return cls(**{f: getattr(s, f) for f in names}, budget=BudgetStats._from_native(s.budget))
 
 
 @dataclass(frozen=True)
@@ -94,6 +141,11 @@ def map_shared(shared: SharedMemory) -> torch.Tensor:
     """
     import mmap
 
+    if not isinstance(shared, SharedMemory):
+        raise TypeError(f"map_shared takes the SharedMemory of KVSpace.shared_memory(), got {shared!r}")
+    V.integer("SharedMemory.pid", shared.pid, lo=1, hi=2**31 - 1)
+    V.integer("SharedMemory.fd", shared.fd, hi=2**31 - 1)
+    V.integer("SharedMemory.size", shared.size)
     path = f"/proc/{shared.pid}/fd/{shared.fd}"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -116,31 +168,6 @@ def cuda_unavailable_reason() -> str:
     return str(_core.native.cuda_unavailable_reason())
 
 
-def _normalize_device(device: str) -> str:
-    if device == "cpu":
-        return device
-    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
-        return device if ":" in device else "cuda:0"
-    raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-
-
-def _as_ids(blocks: Any) -> BlockIds:
-    """Validate the container of a free batch; ids themselves are checked natively."""
-    if isinstance(blocks, torch.Tensor):
-        blocks = blocks.detach().cpu().numpy()
-    arr = np.asarray(blocks) if not isinstance(blocks, np.ndarray) else blocks
-    if arr.ndim != 1:
-        raise InvalidBlocks(f"block ids must be a 1-D sequence, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.empty(0, dtype=np.int64)
-    if arr.dtype.kind not in "iu":
-        raise InvalidBlocks(f"block ids must be integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "u" and arr.dtype.itemsize >= 8 and int(arr.max()) > np.iinfo(np.int64).max:
-        bad = [int(x) for x in arr if int(x) > np.iinfo(np.int64).max]
-        raise InvalidBlocks(f"block ids {bad[:8]} are out of range", bad)
-    return np.ascontiguousarray(arr, dtype=np.int64)
-
-
 class KVSpace:
     """Reserve virtual KV regions for ``geometry``; commit pages as blocks are used.
 
@@ -154,6 +181,10 @@ class KVSpace:
             without it pages are committed inline and released when they
             empty beyond ``max``.
         limit_bytes: cap on committed bytes (``None``: no cap).
+        guarantee_bytes: in a pool, bytes this tenant can always get back
+            (``None``: an equal share of the capacity among the pool's
+            tenants). Explicit guarantees may not add up to more than the
+            pool's capacity.
     """
 
     def __init__(
@@ -167,24 +198,33 @@ class KVSpace:
         limit_bytes: int | None = None,
         pool: Pool | str | None = None,
         name: str | None = None,
+        guarantee_bytes: int | None = None,
     ) -> None:
         if not isinstance(geometry, Geometry):
             raise TypeError(f"geometry must be a kvpool.Geometry, got {type(geometry).__name__}")
-        device = _normalize_device(device)
+        # Every argument is checked before the pool is opened (it may create a ledger file).
+        device = V.device(device)
+        null_block = V.flag("null_block", null_block)
+        reserve_thread = V.flag("reserve_thread", reserve_thread)
+        lo, hi = self._reserve_arg(reserve)
+        limit = self._limit_arg(limit_bytes)
+        if pool is not None and not isinstance(pool, (str, Pool)):
+            raise TypeError(f"pool must be a kvpool.Pool, a pool name or None, got {pool!r} ({type(pool).__name__})")
+        if name is not None:
+            V.text("name", name)
         if device == "cpu":
             geometry.check_granularity(int(_core.native.cpu_granularity()), device)
-        lo, hi = reserve
-        if lo < 0 or hi < lo:
-            raise ValueError(f"reserve needs 0 <= min <= max, got {reserve}")
         self.geometry = geometry
         self.device = device
         self.null_block = null_block
-        limit = self._limit_arg(limit_bytes)
+        guarantee = self._limit_arg(guarantee_bytes, "guarantee_bytes")
+        if guarantee >= 0 and pool is None:
+            raise ValueError("guarantee_bytes needs a pool: a private space has the whole budget")
         self.pool = Pool(pool, device=device) if isinstance(pool, str) else pool
         self.name = name if name is not None else f"{os.getpid()}-{next(_tenant_ids)}"
         code, msg, space = _core.native.create_space(
             geometry.num_regions, geometry.page_bytes, geometry.region_block_bytes, geometry.blocks,
-            null_block, lo, hi, reserve_thread, limit, device,
+            null_block, lo, hi, reserve_thread, limit, guarantee, device,
             self.pool._ledger if self.pool is not None else None, self.name,
         )
         if space is None:
@@ -196,12 +236,19 @@ class KVSpace:
         self._regions: list[torch.Tensor] | None = None
 
     @staticmethod
-    def _limit_arg(limit_bytes: int | None) -> int:
-        if limit_bytes is None:
-            return -1
-        if limit_bytes < 0:
-            raise ValueError(f"limit_bytes must be >= 0 or None, got {limit_bytes}")
-        return int(limit_bytes)
+    def _limit_arg(limit_bytes: int | None, what: str = "limit_bytes") -> int:
+        """The native form of a limit (or guarantee): -1 for none."""
+        limit = V.optional_integer(what, limit_bytes)
+        return -1 if limit is None else limit
+
+    @staticmethod
+    def _reserve_arg(reserve: tuple[int, int]) -> tuple[int, int]:
+        if not isinstance(reserve, (tuple, list)) or len(reserve) != 2:
+            raise ValueError(f"reserve must be a (min, max) pair of page counts, got {reserve!r}")
+        lo, hi = V.integer("reserve min", reserve[0]), V.integer("reserve max", reserve[1])
+        if hi < lo:
+            raise ValueError(f"reserve needs 0 <= min <= max, got {tuple(reserve)}")
+        return lo, hi
 
     # -- allocation ---------------------------------------------------------
     def alloc(self, n: int) -> BlockIds:
@@ -214,11 +261,11 @@ class KVSpace:
 
     def _alloc(self, n: int) -> tuple[BlockIds, int, int]:
         """``alloc`` that also returns (pages committed inline, available after)."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"n must be a non-negative int, got {n!r}")
-        code, ids, available, committed, msg = self._space.alloc(int(n))
+        n = V.integer("n", n)
+        code, ids, available, committed, msg = self._space.alloc(n)
         if code != _core.CODE_OK:
-            _core.raise_status(code, msg, requested=int(n), available=available)
+            max_blocks = int(self._space.max_blocks()) if code == _core.CODE_UNSATISFIABLE else 0
+            _core.raise_status(code, msg, requested=n, available=available, max_blocks=max_blocks)
         return cast(BlockIds, ids), committed, available
 
     def free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> None:
@@ -230,7 +277,7 @@ class KVSpace:
 
         Available is ``None`` when nothing was freed (no native call made).
         """
-        ids = _as_ids(blocks)
+        ids = V.block_ids(blocks)
         if ids.size == 0:
             self._check_open()
             return 0, 0, None
@@ -264,31 +311,54 @@ class KVSpace:
 
         Returns how it was taken: ``applied``, ``stale``, ``conflict`` or ``same``.
         """
-        code, result, msg = self._space.set_limit(self._limit_arg(limit_bytes), revision)
+        limit = self._limit_arg(limit_bytes)
+        revision = V.integer("revision", revision, lo=-1)
+        code, result, msg = self._space.set_limit(limit, revision)
         if code != _core.CODE_OK:
             _core.raise_status(code, msg)
         return ("applied", "stale", "conflict", "same")[result]
 
     def limit_setting(self) -> tuple[int | None, int]:
-        """(limit bytes, revision) in the pool ledger; ``(None, -1)`` without a pool."""
-        lim, rev = self._space.ledger_limit()
-        return (None if lim < 0 else lim), rev
+        """(limit bytes, revision) in force (in the pool ledger, or the private budget)."""
+        b = self.budget()
+        return b.limit_bytes, b.limit_revision
+
+    def set_guarantee(self, guarantee_bytes: int | None) -> None:
+        """Set this tenant's guarantee in its pool (``None``: the default equal share)."""
+        self._set_guarantee(guarantee_bytes, -1)
+
+    def _set_guarantee(self, guarantee_bytes: int | None, revision: int) -> str:
+        """Set the guarantee under ``revision`` (-1: next); returns how the pool took it."""
+        code, result, msg = self._space.set_guarantee(self._limit_arg(guarantee_bytes, "guarantee_bytes"), revision)
+        if code != _core.CODE_OK:
+            _core.raise_status(code, msg)
+        return ("applied", "stale", "conflict", "same")[result]
+
+    def budget(self) -> BudgetStats:
+        """The tenant's budget: limit, guarantee, what it borrows, whether it lends."""
+        self._check_open()
+        return BudgetStats._from_native(self._space.budget())
+
+    def max_blocks(self) -> int:
+        """The most blocks this tenant can ever hold; larger allocs raise :class:`RequestTooLarge`."""
+        self._check_open()
+        return int(self._space.max_blocks())
 
     def set_reserve(self, min_pages: int, max_pages: int) -> None:
-        code, msg = self._space.set_reserve(min_pages, max_pages)
+        """Keep between ``min_pages`` and ``max_pages`` committed idle pages."""
+        lo, hi = V.integer("min_pages", min_pages), V.integer("max_pages", max_pages)
+        code, msg = self._space.set_reserve(lo, hi)
         if code != _core.CODE_OK:
             _core.raise_status(code, msg)
 
     # -- observation --------------------------------------------------------
     def stats(self) -> SpaceStats:
-        return SpaceStats(**self._space.stats())  # type: ignore[arg-type]
+        return SpaceStats._from_native(self._space.stats())
 
     def page_occupancy(self, pages: Sequence[int] | None = None) -> list[PageInfo]:
         """State and used-block count of ``pages`` (all pages by default)."""
         g = self.geometry
-        arr = np.arange(g.num_pages, dtype=np.int64) if pages is None else np.asarray(pages, dtype=np.int64)
-        if arr.ndim != 1:
-            raise ValueError(f"page ids must be 1-D, got shape {arr.shape}")
+        arr = np.arange(g.num_pages, dtype=np.int64) if pages is None else V.int_array("page ids", pages)
         code, used_obj, state_obj, msg = self._space.page_occupancy(np.ascontiguousarray(arr))
         used, state = cast(BlockIds, used_obj), cast(BlockIds, state_obj)
         if code != _core.CODE_OK:
@@ -310,14 +380,13 @@ class KVSpace:
         ``kvpool top`` shows it, and other tenants read it as a sign that the
         pool wants memory back (the vLLM plugin then gives cached pages up).
         """
+        waiting = V.integer("waiting", waiting, hi=2**31 - 1)  # an int32 in the ledger slot
         self._check_open()
-        if waiting < 0:
-            raise ValueError(f"waiting must be >= 0, got {waiting}")
-        self._space.report_waiting(int(waiting))
+        self._space.report_waiting(waiting)
 
     def settle(self, timeout: float = 5.0) -> bool:
         """Wait until the reserve thread has nothing left to do."""
-        return bool(self._space.settle(timeout))
+        return bool(self._space.settle(V.seconds("timeout", timeout, allow_inf=False)))
 
     @property
     def wakeup_fd(self) -> int:
@@ -341,15 +410,18 @@ class KVSpace:
         """
         import select
 
-        if timeout < 0:
-            raise ValueError(f"timeout must be >= 0, got {timeout}")
-        signalled = bool(select.select([self.wakeup_fd], [], [], timeout)[0])
+        t = V.seconds("timeout", timeout)
+        # poll, not select: select refuses fds above 1024, and engines hold many fds.
+        poller = select.poll()
+        poller.register(self.wakeup_fd, select.POLLIN)
+        signalled = bool(poller.poll(None if math.isinf(t) else min(math.ceil(t * 1000), 2**31 - 1)))
         self.drain_wakeups()
         return signalled
 
     # -- tensors ------------------------------------------------------------
     def region(self, index: int) -> torch.Tensor:
         """Region ``index`` as a flat ``uint8`` tensor (zero-copy, DLPack)."""
+        index = V.integer("index", index, lo=-(2**63))
         self._check_open()
         if self._regions is None:
             self._regions = [
@@ -384,6 +456,13 @@ class KVSpace:
         layout: a strided view into the single region (blocks hold every layer).
         """
         g = self.geometry
+        layer = V.integer("layer", layer, lo=-(2**63))
+        buffer = V.integer("buffer", buffer, lo=-(2**63))
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        if not isinstance(block_shape, (tuple, list, torch.Size)):
+            raise ValueError(f"block_shape must be a sequence of positive ints, got {block_shape!r}")
+        block_shape = [V.integer("block_shape entries", d, lo=1) for d in block_shape]
         if not 0 <= layer < g.num_layers or not 0 <= buffer < g.num_kv_buffers:
             raise IndexError(
                 f"(layer {layer}, buffer {buffer}) out of range ({g.num_layers} layers, "

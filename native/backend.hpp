@@ -33,6 +33,18 @@ public:
     // A file descriptor another process may map to see the same memory
     // (the CPU memfd), or -1 when the backend has none.
     virtual int share_fd() const { return -1; }
+    // For a copy inherited across fork(): make this process's view of the
+    // range inert without giving anything back (never punches holes, never
+    // calls the driver: the memory is the parent's). After it, commit and
+    // release return Closed and destruction frees nothing. Idempotent.
+    virtual void abandon() = 0;
+    // How this backend commits (for stats() / the log), e.g. the CUDA
+    // backend's choice of one allocation per region or offset slices.
+    virtual std::string describe() const { return ""; }
+    // The last failure that did not fail its operation (a release that went
+    // through but could not put the zero page back, a handle that could not
+    // be freed and is held until close): "" when none.
+    virtual std::string last_error() const { return ""; }
 };
 
 // Smallest commit granularity the CPU backend accepts (the base page size).

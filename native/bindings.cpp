@@ -16,6 +16,7 @@
 
 #include "backend.hpp"
 #include "geometry.hpp"
+#include "budget.hpp"
 #include "ledger.hpp"
 #include "space.hpp"
 
@@ -39,35 +40,6 @@ IdArray new_id_array(size_t n, int64_t** data) {
     return IdArray(buf, {n}, owner);
 }
 
-nb::typed<nb::dict, nb::str, nb::object> stats_dict(const kvpool::SpaceStats& s) {
-    nb::typed<nb::dict, nb::str, nb::object> d;
-    d["num_blocks"] = s.num_blocks;
-    d["capacity"] = s.capacity;
-    d["num_pages"] = s.num_pages;
-    d["used_blocks"] = s.used_blocks;
-    d["available"] = s.available;
-    d["pages_free"] = s.pages_free;
-    d["pages_committing"] = s.pages_committing;
-    d["pages_reserve"] = s.pages_reserve;
-    d["pages_active"] = s.pages_active;
-    d["pages_releasing"] = s.pages_releasing;
-    d["committed_bytes"] = s.committed_bytes;
-    d["page_commit_bytes"] = s.page_commit_bytes;
-    d["limit_pages"] = s.limit_pages;
-    d["limit_deferred"] = s.limit_deferred;
-    d["allocs"] = s.allocs;
-    d["frees"] = s.frees;
-    d["shortages"] = s.shortages;
-    d["commits"] = s.commits;
-    d["releases"] = s.releases;
-    d["inline_commits"] = s.inline_commits;
-    d["inline_releases"] = s.inline_releases;
-    d["commit_failures"] = s.commit_failures;
-    d["release_failures"] = s.release_failures;
-    d["last_error"] = s.last_error;
-    return d;
-}
-
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -82,6 +54,76 @@ NB_MODULE(_native, m) {
     m.attr("CODE_BACKEND") = static_cast<int>(Code::Backend);
     m.attr("CODE_CLOSED") = static_cast<int>(Code::Closed);
     m.attr("CODE_LEDGER") = static_cast<int>(Code::Ledger);
+    m.attr("CODE_UNSATISFIABLE") = static_cast<int>(Code::Unsatisfiable);
+
+    nb::class_<kvpool::BudgetFigures>(m, "BudgetFigures", "A tenant's budget: limit, guarantee, claims, lending.")
+        .def_ro("pooled", &kvpool::BudgetFigures::pooled)
+        .def_ro("limit_bytes", &kvpool::BudgetFigures::limit_bytes)
+        .def_ro("limit_revision", &kvpool::BudgetFigures::limit_revision)
+        .def_ro("guarantee_bytes", &kvpool::BudgetFigures::guarantee_bytes)
+        .def_ro("guarantee_setting", &kvpool::BudgetFigures::guarantee_setting)
+        .def_ro("guarantee_revision", &kvpool::BudgetFigures::guarantee_revision)
+        .def_ro("claimed_bytes", &kvpool::BudgetFigures::claimed_bytes)
+        .def_ro("borrowed_bytes", &kvpool::BudgetFigures::borrowed_bytes)
+        .def_ro("want_bytes", &kvpool::BudgetFigures::want_bytes)
+        .def_ro("lending", &kvpool::BudgetFigures::lending)
+        .def_ro("pool_capacity", &kvpool::BudgetFigures::pool_capacity);
+
+    nb::class_<kvpool::SpaceStats>(m, "SpaceStats", "A consistent snapshot of one space (taken under its lock).")
+        .def_ro("num_blocks", &kvpool::SpaceStats::num_blocks)
+        .def_ro("capacity", &kvpool::SpaceStats::capacity)
+        .def_ro("num_pages", &kvpool::SpaceStats::num_pages)
+        .def_ro("used_blocks", &kvpool::SpaceStats::used_blocks)
+        .def_ro("available", &kvpool::SpaceStats::available)
+        .def_ro("pages_free", &kvpool::SpaceStats::pages_free)
+        .def_ro("pages_committing", &kvpool::SpaceStats::pages_committing)
+        .def_ro("pages_reserve", &kvpool::SpaceStats::pages_reserve)
+        .def_ro("pages_active", &kvpool::SpaceStats::pages_active)
+        .def_ro("pages_releasing", &kvpool::SpaceStats::pages_releasing)
+        .def_ro("committed_bytes", &kvpool::SpaceStats::committed_bytes)
+        .def_ro("page_commit_bytes", &kvpool::SpaceStats::page_commit_bytes)
+        .def_ro("limit_pages", &kvpool::SpaceStats::limit_pages)
+        .def_ro("limit_deferred", &kvpool::SpaceStats::limit_deferred)
+        .def_ro("max_blocks", &kvpool::SpaceStats::max_blocks)
+        .def_ro("allocs", &kvpool::SpaceStats::allocs)
+        .def_ro("frees", &kvpool::SpaceStats::frees)
+        .def_ro("shortages", &kvpool::SpaceStats::shortages)
+        .def_ro("commits", &kvpool::SpaceStats::commits)
+        .def_ro("releases", &kvpool::SpaceStats::releases)
+        .def_ro("inline_commits", &kvpool::SpaceStats::inline_commits)
+        .def_ro("inline_releases", &kvpool::SpaceStats::inline_releases)
+        .def_ro("commit_failures", &kvpool::SpaceStats::commit_failures)
+        .def_ro("release_failures", &kvpool::SpaceStats::release_failures)
+        .def_ro("last_error", &kvpool::SpaceStats::last_error)
+        .def_ro("budget", &kvpool::SpaceStats::budget)
+        .def_ro("backend", &kvpool::SpaceStats::backend);
+
+    nb::class_<kvpool::TenantRow>(m, "TenantRow", "One live tenant as a ledger snapshot read it.")
+        .def_ro("slot", &kvpool::TenantRow::slot)
+        .def_ro("pid", &kvpool::TenantRow::pid)
+        .def_ro("visible", &kvpool::TenantRow::visible)
+        .def_ro("name", &kvpool::TenantRow::name)
+        .def_ro("claimed", &kvpool::TenantRow::claimed)
+        .def_ro("pending", &kvpool::TenantRow::pending)
+        .def_ro("want", &kvpool::TenantRow::want)
+        .def_ro("wait_ticket", &kvpool::TenantRow::wait_ticket)
+        .def_ro("waiting", &kvpool::TenantRow::waiting)
+        .def_ro("limit_state", &kvpool::TenantRow::limit_state)
+        .def_ro("lending", &kvpool::TenantRow::lending)
+        .def_ro("reserve_pages", &kvpool::TenantRow::reserve_pages)
+        .def_ro("limit", &kvpool::TenantRow::limit)
+        .def_ro("limit_revision", &kvpool::TenantRow::limit_revision)
+        .def_ro("guarantee", &kvpool::TenantRow::guarantee)
+        .def_ro("guarantee_revision", &kvpool::TenantRow::guarantee_revision);
+
+    nb::class_<kvpool::LedgerSnapshot>(m, "LedgerSnapshot",
+                                       "Every live tenant read in one pass; the total is the sum of these rows.")
+        .def_ro("capacity", &kvpool::LedgerSnapshot::capacity)
+        .def_ro("generation", &kvpool::LedgerSnapshot::generation)
+        .def_ro("rows", &kvpool::LedgerSnapshot::rows)
+        .def_prop_ro("claimed_total", &kvpool::LedgerSnapshot::claimed_total)
+        .def("guarantee_of", &kvpool::LedgerSnapshot::guarantee_of, "row"_a,
+             "A tenant's guarantee in force: explicit, or the equal default share.");
 
     m.def("cpu_granularity", &kvpool::cpu_granularity, "Smallest page size step of the CPU backend.");
     m.def("cuda_unavailable_reason", &kvpool::cuda_unavailable_reason, nb::call_guard<nb::gil_scoped_release>(),
@@ -203,14 +245,26 @@ NB_MODULE(_native, m) {
                                        st.message);
             },
             "pages"_a, "(code, used blocks, page states, message).")
-        .def("stats", [](Space& s) {
-            kvpool::SpaceStats st;
-            {
-                nb::gil_scoped_release nogil;
-                st = s.stats();
-            }
-            return stats_dict(st);
-        })
+        .def("stats", &Space::stats, nb::call_guard<nb::gil_scoped_release>())
+        .def("budget", &Space::budget, nb::call_guard<nb::gil_scoped_release>(),
+             "The tenant's budget figures (refreshed from the pool).")
+        .def("max_blocks", &Space::max_blocks, nb::call_guard<nb::gil_scoped_release>(),
+             "The most blocks this tenant can ever hold (admission bound).")
+        .def(
+            "set_guarantee",
+            [](Space& s, int64_t bytes, int64_t revision) {
+                kvpool::LimitResult r = kvpool::LimitResult::Applied;
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.set_guarantee(bytes, revision, &r);
+                }
+                return std::make_tuple(static_cast<int>(st.code), static_cast<int>(r), st.message);
+            },
+            "guarantee_bytes"_a, "revision"_a,
+            "Set this tenant's guarantee (-1: the default share) under `revision` (-1: next): "
+            "(code, result: 0 applied 1 stale 2 conflict 3 same, message).")
+        .def_prop_ro("inherited", &Space::inherited, "Inherited across fork(): inert in this process.")
         .def("settle", &Space::settle, "timeout_s"_a, nb::call_guard<nb::gil_scoped_release>(),
              "Wait until the reserve thread is idle; False on timeout.")
         .def(
@@ -246,14 +300,6 @@ NB_MODULE(_native, m) {
             nb::rv_policy::reference_internal, "All regions, back to back, as one DLPack-capable byte array.")
         .def_prop_ro("share_fd", &Space::share_fd, "The memfd another process can map (-1: none).")
         .def("report_waiting", &Space::report_waiting, "waiting"_a, nb::call_guard<nb::gil_scoped_release>())
-        .def(
-            "ledger_limit",
-            [](Space& s) {
-                int64_t bytes = -1, revision = -1;
-                s.limit_setting(&bytes, &revision);
-                return std::make_tuple(bytes, revision);
-            },
-            "(limit bytes, revision) in the pool for this tenant; (-1, -1) without a pool.")
         .def_prop_ro("eventfd", &Space::eventfd)
         .def_prop_ro("closed", &Space::closed)
         .def("close", &Space::close, nb::call_guard<nb::gil_scoped_release>());
@@ -261,38 +307,39 @@ NB_MODULE(_native, m) {
     nb::class_<Ledger>(m, "Ledger")
         .def_prop_ro("name", &Ledger::name)
         .def_prop_ro("capacity", &Ledger::capacity)
-        .def_prop_ro("committed_total", &Ledger::committed_total)
+        .def_prop_ro("generation", &Ledger::generation)
+        .def("snapshot", &Ledger::snapshot, nb::call_guard<nb::gil_scoped_release>(),
+             "Every live tenant in one pass (lock-free; never waits for another process).")
         .def(
-            "tenants",
-            [](Ledger& l) {
-                std::vector<kvpool::TenantInfo> ts;
-                {
-                    nb::gil_scoped_release nogil;
-                    ts = l.tenants();
-                }
-                std::vector<std::tuple<int, int, std::string, int64_t, int64_t, int64_t, int, int, int64_t>> out;
-                for (const auto& t : ts)
-                    out.emplace_back(t.slot, t.pid, t.name, t.committed, t.limit, t.limit_revision, t.limit_state,
-                                     t.waiting, t.reserve_pages);
-                return out;
-            },
-            "(slot, pid, name, committed, limit, limit_revision, limit_state, waiting, reserve_pages) per live tenant.")
-        .def(
-            "set_limit",
-            [](Ledger& l, const std::string& tenant, int64_t bytes, int64_t revision) {
+            "set_setting",
+            [](Ledger& l, const std::string& tenant, bool guarantee, int64_t bytes, int64_t revision) {
                 kvpool::LimitResult r = kvpool::LimitResult::Stale;
                 Status st;
                 {
                     nb::gil_scoped_release nogil;
-                    st = l.set_limit_by_name(tenant, bytes, revision, &r);
+                    int slot = -1;
+                    st = l.find_tenant(tenant, &slot);
+                    if (st.is_ok()) {
+                        if (revision < 0) {
+                            int64_t lim, lr, g, gr;
+                            if (!l.read_settings(slot, &lim, &lr, &g, &gr))
+                                st = Status::make(Code::Ledger, "the settings of tenant '" + tenant + "' are busy");
+                            revision = (guarantee ? gr : lr) + 1;
+                        }
+                        if (st.is_ok())
+                            st = guarantee ? l.set_guarantee(slot, bytes, revision, &r)
+                                           : l.set_limit(slot, bytes, revision, &r);
+                    }
                 }
                 return std::make_tuple(static_cast<int>(st.code), static_cast<int>(r), st.message);
             },
-            "tenant"_a, "limit_bytes"_a, "revision"_a,
-            "(code, result: 0 applied 1 stale 2 conflict 3 same, message); revision < 0 = next.")
-        .def("reap", [](Ledger& l) { return l.reap(true); }, nb::call_guard<nb::gil_scoped_release>())
-        .def("inject_crash_mid_release", &Ledger::inject_crash_mid_release,
-             "Test hook: the next release kills this process inside the ledger's critical section.");
+            "tenant"_a, "guarantee"_a, "bytes"_a, "revision"_a,
+            "Set a tenant's limit (guarantee=False) or guarantee: (code, result: 0 applied 1 stale 2 conflict "
+            "3 same, message); revision < 0 = next.")
+        .def("reap", &Ledger::reap, nb::call_guard<nb::gil_scoped_release>(),
+             "Reap dead tenants of this PID namespace; returns how many.")
+        .def("inject_stop_mid_claim", &Ledger::inject_stop_mid_claim,
+             "Test hook: the next claim of this process stops it (SIGSTOP) with its claim pending.");
 
     m.def(
         "open_ledger",
@@ -312,7 +359,8 @@ NB_MODULE(_native, m) {
         "create_space",
         [](int64_t num_regions, int64_t page_bytes, int64_t block_bytes, int64_t num_blocks, bool null_block,
            int64_t reserve_min, int64_t reserve_max, bool reserve_thread, int64_t limit_bytes,
-           const std::string& device, std::shared_ptr<Ledger> ledger, const std::string& tenant) {
+           int64_t guarantee_bytes, const std::string& device, std::shared_ptr<Ledger> ledger,
+           const std::string& tenant) {
             Status st;
             std::unique_ptr<Space> space;
             {
@@ -327,9 +375,9 @@ NB_MODULE(_native, m) {
                 cfg.reserve_max = reserve_max;
                 cfg.reserve_thread = reserve_thread;
                 // One limit per tenant: in a pool it lives in the ledger
-                // (revision 0), where `kvpool top` shows it; without one, here.
-                const int64_t pcb = num_regions * page_bytes;
-                cfg.limit_pages = ledger || limit_bytes < 0 || pcb <= 0 ? -1 : limit_bytes / pcb;
+                // (revision 0), where `kvpool top` shows it; without one, in
+                // the private budget.
+                cfg.limit_bytes = ledger ? -1 : limit_bytes;
                 kvpool::BackendConfig bc{num_regions, kvpool::num_pages_for(page_bytes, block_bytes, num_blocks) * page_bytes,
                                          page_bytes};
                 std::unique_ptr<kvpool::Backend> backend;
@@ -342,7 +390,7 @@ NB_MODULE(_native, m) {
                 }
                 int slot = -1;
                 if (backend && ledger) {
-                    st = ledger->register_tenant(tenant, limit_bytes, &slot);
+                    st = ledger->register_tenant(tenant, limit_bytes, guarantee_bytes, &slot);
                     if (!st.is_ok()) st.code = Code::Ledger;  // the pool refused the tenant
                 }
                 // Space::create owns the slot from here: on failure it has
@@ -354,6 +402,6 @@ NB_MODULE(_native, m) {
             return std::make_tuple(static_cast<int>(st.code), st.message, obj);
         },
         "num_regions"_a, "page_bytes"_a, "block_bytes"_a, "num_blocks"_a, "null_block"_a, "reserve_min"_a,
-        "reserve_max"_a, "reserve_thread"_a, "limit_bytes"_a, "device"_a, "ledger"_a.none(), "tenant"_a,
+        "reserve_max"_a, "reserve_thread"_a, "limit_bytes"_a, "guarantee_bytes"_a, "device"_a, "ledger"_a.none(), "tenant"_a,
         "Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None).");
 }

@@ -4,23 +4,66 @@
 // when a cuda space is created and every entry point is fetched through
 // cuGetProcAddress, so the module imports on machines without a driver and
 // says why CUDA is unavailable. $KVPOOL_LIBCUDA overrides the library path
-// (the tests load a fake driver that keeps host memory behind the VMM calls).
+// (the tests load tests/fake_cuda/fake_libcuda.c, which enforces the rules
+// below the way the real driver does).
 //
 //   VA (one reservation):  [ region 0 | region 1 | ... ]   region = num_pages x P
-//   commit page p:         one cuMemCreate of R x P bytes, mapped in R slices
-//                          (cuMemMap offset r x P) at page p of every region
-//   unmapped slices:       one shared zero page, mapped read-only: padding
-//                          reads zeros, a stray write faults instead of aliasing
+//   slice (r, p):          page p of region r, P bytes: either its page's
+//                          memory (read-write), or at each of its granules the
+//                          device's one zero granule (read-only), or -- only
+//                          after a failed driver call -- nothing at some
+//                          granules (repaired on the next commit or close)
+//   commit page p:         one cuMemCreate of P per region, each mapped at
+//                          offset 0 -- or, where the start-up probe proved
+//                          offsets work, one allocation of R x P mapped in R
+//                          slices at offsets r x P
 //
-// Every driver error is a value: out of memory at cuMemCreate is a shortage,
-// anything else a Backend status carrying the driver's own message.
+// The driver's rules, and why each is followed here (issue 15):
+//  - cuMemMap's offset "currently must be zero" (cuda.h's parameter note;
+//    its prose says otherwise). Every working VMM user (vLLM's cumem
+//    allocator, PyTorch's expandable segments, kvcached) maps at offset 0, so
+//    that is the default; a probe (one two-granule allocation mapped at two
+//    VAs with offsets 0 and one granule, distinct bytes written through each
+//    and read back) may prove offsets safe per device, which saves R-1
+//    cuMemCreate calls per commit. describe() names the choice.
+//  - The driver works on the calling thread's current context. The reserve
+//    thread, the pool watcher, close() from another thread and GIL-released
+//    Python threads all call in here, so every entry point pushes this
+//    space's (primary) context and pops it on the way out: the caller's own
+//    current context is untouched. The retained primary context is released
+//    when the backend is destroyed.
+//  - cuMemMap only maps unmapped VA and cuMemUnmap cannot unmap a sub-range
+//    or a range with holes: the slice table above is the truth about what is
+//    mapped where, so every unmap covers exactly one whole mapping and no map
+//    lands on mapped VA, whatever failed before.
+//  - Memory kernels may still read must not be unmapped: release() and
+//    close() synchronize the context first (a fence; PyTorch synchronizes
+//    before cuMemUnmap for the same reason). Without it the symptom is error
+//    700, which kills the process's CUDA context.
+//  - Fresh cuMemCreate memory is not promised to be zero, so the zero
+//    granule (one per device, shared by every space of the process) is
+//    zero-filled when created, and every committed page is zero-filled (on a
+//    private stream, waited for) before it is handed out: padding reads zeros
+//    and KV data never crosses tenants (DESIGN.md invariant 6).
+//  - cuMemSetAccess takes any fully mapped range: open() maps the zero
+//    granule everywhere and sets access once over the whole reservation.
+//
+// Every driver error is a value: out of memory anywhere in a commit
+// (cuMemCreate, cuMemMap, cuMemSetAccess) is a shortage, anything else a
+// Backend status carrying the driver's own message. Failures after a
+// release's point of no return (cuMemRelease, re-mapping the zero page) do not
+// undo the release: the memory is counted in allocated_bytes() until close()
+// frees it, a granule left unmapped is mapped on reuse, and last_error()
+// says what happened.
 #include "backend.hpp"
 
 #ifdef KVPOOL_HAVE_CUDA_H
 #include <cuda.h>
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -34,12 +77,23 @@ using Fn = T;  // lets a function-pointer type-id declare a field
 struct Driver {
     void* lib = nullptr;
     std::string error;  // why it is unavailable
+    // Fetched by base name at version 12000: the driver hands back the
+    // versioned entry point (cuCtxPushCurrent -> _v2, cuMemcpyDtoH -> _v2, ...).
 #define KVPOOL_CU_FNS(X)                                                                                   \
     X(cuInit, CUresult (*)(unsigned int))                                                                  \
     X(cuGetErrorString, CUresult (*)(CUresult, const char**))                                             \
     X(cuDeviceGet, CUresult (*)(CUdevice*, int))                                                           \
+    X(cuDeviceGetAttribute, CUresult (*)(int*, CUdevice_attribute, CUdevice))                              \
     X(cuDevicePrimaryCtxRetain, CUresult (*)(CUcontext*, CUdevice))                                        \
-    X(cuCtxSetCurrent, CUresult (*)(CUcontext))                                                            \
+    X(cuDevicePrimaryCtxRelease, CUresult (*)(CUdevice))                                                   \
+    X(cuCtxPushCurrent, CUresult (*)(CUcontext))                                                           \
+    X(cuCtxPopCurrent, CUresult (*)(CUcontext*))                                                           \
+    X(cuCtxSynchronize, CUresult (*)(void))                                                                \
+    X(cuStreamCreate, CUresult (*)(CUstream*, unsigned int))                                               \
+    X(cuStreamDestroy, CUresult (*)(CUstream))                                                             \
+    X(cuStreamSynchronize, CUresult (*)(CUstream))                                                         \
+    X(cuMemsetD8Async, CUresult (*)(CUdeviceptr, unsigned char, size_t, CUstream))                         \
+    X(cuMemcpyDtoH, CUresult (*)(void*, CUdeviceptr, size_t))                                              \
     X(cuMemGetInfo, CUresult (*)(size_t*, size_t*))                                                        \
     X(cuMemGetAllocationGranularity,                                                                       \
       CUresult (*)(size_t*, const CUmemAllocationProp*, CUmemAllocationGranularity_flags))                 \
@@ -55,10 +109,10 @@ struct Driver {
     KVPOOL_CU_FNS(KVPOOL_CU_FIELD)
 #undef KVPOOL_CU_FIELD
 
-    std::string text(const char* what, CUresult r) const {
+    std::string text(const std::string& what, CUresult r) const {
         const char* s = nullptr;
         if (cuGetErrorString) cuGetErrorString(r, &s);
-        return std::string(what) + ": " + (s ? s : "unknown CUDA error") + " (CUresult " + std::to_string(r) + ")";
+        return what + ": " + (s ? s : "unknown CUDA error") + " (CUresult " + std::to_string(r) + ")";
     }
 };
 
@@ -97,23 +151,185 @@ Driver& driver() {
     return d;
 }
 
+bool is_oom(CUresult r) { return r == CUDA_ERROR_OUT_OF_MEMORY; }
+
+// Makes `ctx` current on this thread for the scope and restores the caller's
+// current context after (a push/pop pair never disturbs it).
+class CtxScope {
+public:
+    explicit CtxScope(CUcontext ctx) : r_(driver().cuCtxPushCurrent(ctx)) {}
+    ~CtxScope() {
+        if (r_ == CUDA_SUCCESS) {
+            CUcontext popped = nullptr;
+            driver().cuCtxPopCurrent(&popped);
+        }
+    }
+    CtxScope(const CtxScope&) = delete;
+    CtxScope& operator=(const CtxScope&) = delete;
+    CUresult result() const { return r_; }
+
+private:
+    CUresult r_;
+};
+
+// A retained primary context, released on destruction.
+struct PrimaryCtx {
+    CUdevice dev = 0;
+    CUcontext ctx = nullptr;
+    Status retain(int ordinal) {
+        Driver& d = driver();
+        CUresult r;
+        if ((r = d.cuDeviceGet(&dev, ordinal)) != CUDA_SUCCESS)
+            return Status::make(Code::Backend, d.text("cuDeviceGet(" + std::to_string(ordinal) + ")", r));
+        if ((r = d.cuDevicePrimaryCtxRetain(&ctx, dev)) != CUDA_SUCCESS) {
+            ctx = nullptr;
+            return Status::make(Code::Backend, d.text("cuDevicePrimaryCtxRetain", r));
+        }
+        return Status::ok();
+    }
+    ~PrimaryCtx() {
+        if (ctx) driver().cuDevicePrimaryCtxRelease(dev);
+    }
+};
+
+CUmemAllocationProp device_prop(int ordinal) {
+    CUmemAllocationProp p{};
+    p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    p.location.id = ordinal;  // an ordinal, not a CUdevice handle
+    return p;
+}
+
+// Does cuMemMap honour a non-zero offset on this device? Mapping one
+// two-granule allocation at two VAs (offsets 0 and one granule), writing
+// distinct bytes through each and reading both back tells a driver that
+// rejects offsets (an error) and one that ignores them (the bytes alias)
+// from one that honours them. Any failure reads as "not safe". Called with
+// the device's context current, once per space (about ten driver calls).
+bool offsets_proven_safe(int ordinal, size_t gran, std::string* why) {
+    Driver& d = driver();
+    const CUmemAllocationProp prop = device_prop(ordinal);
+    CUmemGenericAllocationHandle h = 0;
+    CUdeviceptr va = 0;
+    CUstream s = nullptr;
+    bool mapped0 = false, mapped1 = false, safe = false;
+    CUresult r;
+    auto probe = [&]() -> std::string {
+        if ((r = d.cuMemCreate(&h, 2 * gran, &prop, 0)) != CUDA_SUCCESS) return h = 0, d.text("probe cuMemCreate", r);
+        if ((r = d.cuMemAddressReserve(&va, 2 * gran, gran, 0, 0)) != CUDA_SUCCESS)
+            return va = 0, d.text("probe cuMemAddressReserve", r);
+        if ((r = d.cuMemMap(va, gran, 0, h, 0)) != CUDA_SUCCESS) return d.text("probe cuMemMap(offset 0)", r);
+        mapped0 = true;
+        if ((r = d.cuMemMap(va + gran, gran, gran, h, 0)) != CUDA_SUCCESS) return d.text("cuMemMap(offset != 0)", r);
+        mapped1 = true;
+        CUmemAccessDesc a{};
+        a.location = prop.location;
+        a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        if ((r = d.cuMemSetAccess(va, 2 * gran, &a, 1)) != CUDA_SUCCESS) return d.text("probe cuMemSetAccess", r);
+        if ((r = d.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING)) != CUDA_SUCCESS)
+            return s = nullptr, d.text("probe cuStreamCreate", r);
+        unsigned char got[2] = {0, 0};
+        if ((r = d.cuMemsetD8Async(va, 0x5A, gran, s)) != CUDA_SUCCESS ||
+            (r = d.cuMemsetD8Async(va + gran, 0xC3, gran, s)) != CUDA_SUCCESS ||
+            (r = d.cuStreamSynchronize(s)) != CUDA_SUCCESS || (r = d.cuMemcpyDtoH(&got[0], va, 1)) != CUDA_SUCCESS ||
+            (r = d.cuMemcpyDtoH(&got[1], va + gran, 1)) != CUDA_SUCCESS)
+            return d.text("probe write/read", r);
+        if (got[0] != 0x5A || got[1] != 0xC3) return "cuMemMap ignores its offset (the two mappings alias)";
+        safe = true;
+        return "cuMemMap offsets proven safe by the start-up probe";
+    };
+    *why = probe();
+    if (s) d.cuStreamDestroy(s);
+    if (mapped1) d.cuMemUnmap(va + gran, gran);
+    if (mapped0) d.cuMemUnmap(va, gran);
+    if (va) d.cuMemAddressFree(va, 2 * gran);
+    if (h) d.cuMemRelease(h);
+    return safe;
+}
+
+// One granule of zeros per device, shared by every space of the process and
+// mapped read-only at every idle granule of their reservations. Zero-filled
+// once, when created, through a scratch mapping (cuMemCreate does not promise
+// zeros). Refcounted: freed with the last space of the device. Called with
+// the device's context current.
+std::mutex g_zero_mu;
+std::map<int, std::pair<CUmemGenericAllocationHandle, int>> g_zero;  // ordinal -> (handle, spaces)
+
+Status acquire_zero_page(int ordinal, size_t gran, const CUmemAllocationProp& prop, CUstream s,
+                         CUmemGenericAllocationHandle* out) {
+    Driver& d = driver();
+    std::lock_guard<std::mutex> lock(g_zero_mu);
+    auto it = g_zero.find(ordinal);
+    if (it != g_zero.end()) {
+        ++it->second.second;
+        *out = it->second.first;
+        return Status::ok();
+    }
+    CUmemGenericAllocationHandle h = 0;
+    CUresult r = d.cuMemCreate(&h, gran, &prop, 0);
+    if (r != CUDA_SUCCESS) return Status::make(is_oom(r) ? Code::Shortage : Code::Backend, d.text("cuMemCreate(zero page)", r));
+    CUdeviceptr va = 0;
+    bool mapped = false;
+    std::string err;
+    if ((r = d.cuMemAddressReserve(&va, gran, gran, 0, 0)) != CUDA_SUCCESS) {
+        va = 0;
+        err = d.text("cuMemAddressReserve(zero page)", r);
+    } else if ((r = d.cuMemMap(va, gran, 0, h, 0)) != CUDA_SUCCESS) {
+        err = d.text("cuMemMap(zero page)", r);
+    } else {
+        mapped = true;
+        CUmemAccessDesc a{};
+        a.location = prop.location;
+        a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        if ((r = d.cuMemSetAccess(va, gran, &a, 1)) != CUDA_SUCCESS ||
+            (r = d.cuMemsetD8Async(va, 0, gran, s)) != CUDA_SUCCESS || (r = d.cuStreamSynchronize(s)) != CUDA_SUCCESS)
+            err = d.text("zero-filling the zero page", r);
+    }
+    if (mapped && (r = d.cuMemUnmap(va, gran)) != CUDA_SUCCESS && err.empty()) err = d.text("cuMemUnmap(zero page scratch)", r);
+    if (va && (!mapped || r == CUDA_SUCCESS)) d.cuMemAddressFree(va, gran);
+    if (!err.empty()) {
+        d.cuMemRelease(h);
+        return Status::make(is_oom(r) ? Code::Shortage : Code::Backend, err);
+    }
+    g_zero[ordinal] = {h, 1};
+    *out = h;
+    return Status::ok();
+}
+
+void release_zero_page(int ordinal) {
+    std::lock_guard<std::mutex> lock(g_zero_mu);
+    auto it = g_zero.find(ordinal);
+    if (it == g_zero.end() || --it->second.second > 0) return;
+    driver().cuMemRelease(it->second.first);
+    g_zero.erase(it);
+}
+
 class CudaBackend final : public Backend {
 public:
-    CudaBackend(const BackendConfig& cfg, int device) : cfg_(cfg), device_(device) {}
-    ~CudaBackend() override { close(); }
+    CudaBackend(const BackendConfig& cfg, int device)
+        : cfg_(cfg), device_(device), npages_(cfg.region_bytes / cfg.page_bytes) {}
+    ~CudaBackend() override {
+        if (abandoned_) return;  // forked child: the parent owns every driver object
+        close();
+        teardown();
+    }
 
     Status open() {
         Driver& d = driver();
         if (!d.error.empty()) return Status::make(Code::Backend, d.error);
+        Status st = ctx_.retain(device_);
+        if (!st.is_ok()) return st;
+        CtxScope scope(ctx_.ctx);
+        if (scope.result() != CUDA_SUCCESS) return fail(d.text("cuCtxPushCurrent", scope.result()));
         CUresult r;
-        if ((r = d.cuDeviceGet(&dev_, device_)) != CUDA_SUCCESS) return fail(d.text("cuDeviceGet", r));
-        if ((r = d.cuDevicePrimaryCtxRetain(&ctx_, dev_)) != CUDA_SUCCESS)
-            return fail(d.text("cuDevicePrimaryCtxRetain", r));
-        if ((r = d.cuCtxSetCurrent(ctx_)) != CUDA_SUCCESS) return fail(d.text("cuCtxSetCurrent", r));
-        prop_ = {};
-        prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-        prop_.location.id = dev_;
+        int vmm = 0;
+        if ((r = d.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, ctx_.dev)) !=
+            CUDA_SUCCESS)
+            return fail(d.text("cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)", r));
+        if (!vmm)
+            return fail("cuda:" + std::to_string(device_) +
+                        " does not support the virtual memory management API (cuMemCreate/cuMemMap)");
+        prop_ = device_prop(device_);
         size_t gran = 0;
         if ((r = d.cuMemGetAllocationGranularity(&gran, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) != CUDA_SUCCESS)
             return fail(d.text("cuMemGetAllocationGranularity", r));
@@ -125,113 +341,194 @@ public:
                                                    std::to_string((cfg_.page_bytes + g - 1) / g * g));
         }
         gran_ = gran;
-        if ((r = d.cuMemAddressReserve(&base_, total(), gran_, 0, 0)) != CUDA_SUCCESS)
-            return fail(d.text("cuMemAddressReserve", r));
-        if ((r = d.cuMemCreate(&zero_, gran_, &prop_, 0)) != CUDA_SUCCESS) {
-            d.cuMemAddressFree(base_, total());
+        kg_ = page() / gran_;
+        std::string why;
+        sliced_ = cfg_.num_regions > 1 && offsets_proven_safe(device_, gran_, &why);
+        describe_ = "cuda:" + std::to_string(device_) + ": " +
+                    (sliced_ ? "one allocation per page mapped in " + std::to_string(cfg_.num_regions) +
+                                   " slices (" + why + ")"
+                             : "one allocation per region per page at offset 0" +
+                                   (why.empty() ? std::string() : " (" + why + ")"));
+        if ((r = d.cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING)) != CUDA_SUCCESS) {
+            stream_ = nullptr;
+            return fail(d.text("cuStreamCreate", r));
+        }
+        st = acquire_zero_page(device_, gran_, prop_, stream_, &zero_);
+        if (!st.is_ok()) return fail(st.message, st.code == Code::Shortage ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_SUCCESS);
+        if ((r = d.cuMemAddressReserve(&base_, total(), gran_, 0, 0)) != CUDA_SUCCESS) {
             base_ = 0;
-            return fail(d.text("cuMemCreate(zero page)", r));
+            return fail(d.text("cuMemAddressReserve", r));
         }
-        // Back every slice with the zero page, read-only.
-        for (size_t off = 0; off < total(); off += gran_) {
-            Status s = map_zero(base_ + off, gran_);
-            if (!s.is_ok()) {
-                close();
-                return s;
-            }
+        data_.assign(static_cast<size_t>(cfg_.num_regions * npages_), 0);
+        zmapped_.assign(total() / gran_, 0);
+        handles_.assign(static_cast<size_t>(npages_ * per_page()), 0);
+        // The zero granule at every granule, then one cuMemSetAccess over the
+        // whole (now fully mapped) reservation.
+        for (size_t g = 0; g < zmapped_.size(); ++g) {
+            if ((r = d.cuMemMap(base_ + g * gran_, gran_, 0, zero_, 0)) != CUDA_SUCCESS)
+                return fail(d.text("cuMemMap(zero page)", r), r);
+            zmapped_[g] = 1;
         }
-        handles_.assign(static_cast<size_t>(cfg_.region_bytes / cfg_.page_bytes), 0);
+        if ((r = set_access(base_, total(), CU_MEM_ACCESS_FLAGS_PROT_READ)) != CUDA_SUCCESS)
+            return fail(d.text("cuMemSetAccess(reservation, read-only)", r), r);
         return Status::ok();
     }
 
-    Status commit(int64_t page) override {
+    Status commit(int64_t page_id) override {
         Driver& d = driver();
-        if (base_ == 0) return Status::make(Code::Closed, "space is closed");
-        CUmemGenericAllocationHandle h = 0;
-        const size_t P = static_cast<size_t>(cfg_.page_bytes);
-        CUresult r = d.cuMemCreate(&h, P * static_cast<size_t>(cfg_.num_regions), &prop_, 0);
-        if (r == CUDA_ERROR_OUT_OF_MEMORY) return Status::make(Code::Shortage, d.text("cuMemCreate", r));
-        if (r != CUDA_SUCCESS) return Status::make(Code::Backend, d.text("cuMemCreate", r));
-        for (int64_t reg = 0; reg < cfg_.num_regions; ++reg) {
-            const CUdeviceptr va = slice(reg, page);
-            std::string err;
-            if ((r = d.cuMemUnmap(va, P)) != CUDA_SUCCESS) err = d.text("cuMemUnmap(zero)", r);
-            else if ((r = d.cuMemMap(va, P, P * static_cast<size_t>(reg), h, 0)) != CUDA_SUCCESS) {
-                err = d.text("cuMemMap", r);
-                restore_zero(va);
-            } else if ((r = set_access(va, P, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) != CUDA_SUCCESS) {
-                err = d.text("cuMemSetAccess", r);
-                d.cuMemUnmap(va, P);
-                restore_zero(va);
-            }
-            if (!err.empty()) {
-                // All-or-nothing: put the regions done so far back on the zero page.
-                for (int64_t q = 0; q < reg; ++q) {
-                    d.cuMemUnmap(slice(q, page), P);
-                    restore_zero(slice(q, page));
-                }
-                d.cuMemRelease(h);
-                return Status::make(Code::Backend, err);
-            }
-        }
-        handles_[static_cast<size_t>(page)] = h;
-        committed_ += static_cast<int64_t>(P) * cfg_.num_regions;
-        return Status::ok();
-    }
-
-    Status release(int64_t page) override {
-        Driver& d = driver();
-        if (base_ == 0) return Status::make(Code::Closed, "space is closed");
-        const size_t P = static_cast<size_t>(cfg_.page_bytes);
-        const CUmemGenericAllocationHandle h = handles_[static_cast<size_t>(page)];
-        for (int64_t reg = 0; reg < cfg_.num_regions; ++reg) {
-            const CUdeviceptr va = slice(reg, page);
-            CUresult r = d.cuMemUnmap(va, P);
+        if (closed_) return Status::make(Code::Closed, "space is closed");
+        CtxScope scope(ctx_.ctx);
+        if (scope.result() != CUDA_SUCCESS) return Status::make(Code::Backend, d.text("cuCtxPushCurrent", scope.result()));
+        const size_t P = page();
+        const int64_t nh = per_page();
+        CUmemGenericAllocationHandle* h = &handles_[static_cast<size_t>(page_id * nh)];
+        // 1. Allocate: nothing is mapped yet, so a failure only releases.
+        for (int64_t k = 0; k < nh; ++k) {
+            const CUresult r = d.cuMemCreate(&h[k], sliced_ ? P * static_cast<size_t>(cfg_.num_regions) : P, &prop_, 0);
             if (r != CUDA_SUCCESS) {
-                // All-or-nothing, as commit: the page stays RESERVE (committed),
-                // so map the regions already on the zero page back to its memory.
-                for (int64_t q = 0; q < reg; ++q) {
-                    const CUdeviceptr vq = slice(q, page);
-                    d.cuMemUnmap(vq, P);
-                    d.cuMemMap(vq, P, P * static_cast<size_t>(q), h, 0);
-                    set_access(vq, P, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
-                }
-                return Status::make(Code::Backend, d.text("cuMemUnmap", r));
+                h[k] = 0;
+                release_handles(page_id);
+                return Status::make(is_oom(r) ? Code::Shortage : Code::Backend, d.text("cuMemCreate", r));
             }
-            restore_zero(va);
         }
-        // Freed, not recycled: the next commit gets a fresh allocation, so no
-        // KV data crosses tenants (DESIGN.md invariant 6).
-        CUresult r = d.cuMemRelease(h);
-        handles_[static_cast<size_t>(page)] = 0;
-        committed_ -= static_cast<int64_t>(P) * cfg_.num_regions;
-        if (r != CUDA_SUCCESS) return Status::make(Code::Backend, d.text("cuMemRelease", r));
+        // 2. Map every region's slice read-write and queue its zero fill.
+        for (int64_t reg = 0; reg < cfg_.num_regions; ++reg) {
+            const CUdeviceptr va = slice_va(reg, page_id);
+            CUresult r = unmap_slice(reg, page_id);
+            std::string what = "cuMemUnmap(zero page)";
+            if (r == CUDA_SUCCESS) {
+                what = "cuMemMap";
+                r = d.cuMemMap(va, P, sliced_ ? P * static_cast<size_t>(reg) : 0, handle(reg, page_id), 0);
+                if (r == CUDA_SUCCESS) {
+                    data(reg, page_id) = 1;
+                    what = "cuMemSetAccess";
+                    r = set_access(va, P, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+                }
+                if (r == CUDA_SUCCESS) {
+                    what = "cuMemsetD8Async";
+                    r = d.cuMemsetD8Async(va, 0, P, stream_);
+                }
+            }
+            if (r != CUDA_SUCCESS) {
+                abort_commit(page_id);
+                return Status::make(is_oom(r) ? Code::Shortage : Code::Backend,
+                                    d.text(what + "(page " + std::to_string(page_id) + ")", r));
+            }
+        }
+        // 3. Fresh memory is not promised to be zero: wait for the fills
+        // before anyone can see the page (only our private stream).
+        const CUresult r = d.cuStreamSynchronize(stream_);
+        if (r != CUDA_SUCCESS) {
+            abort_commit(page_id);
+            return Status::make(Code::Backend, d.text("cuStreamSynchronize(zero fill)", r));
+        }
+        committed_.fetch_add(static_cast<int64_t>(P) * cfg_.num_regions, std::memory_order_relaxed);
         return Status::ok();
     }
 
-    int64_t allocated_bytes() const override { return committed_; }
+    Status release(int64_t page_id) override {
+        Driver& d = driver();
+        if (closed_) return Status::make(Code::Closed, "space is closed");
+        CtxScope scope(ctx_.ctx);
+        if (scope.result() != CUDA_SUCCESS) return Status::make(Code::Backend, d.text("cuCtxPushCurrent", scope.result()));
+        // Fence: kernels queued before this call may still read the page.
+        CUresult r = d.cuCtxSynchronize();
+        if (r != CUDA_SUCCESS) return Status::make(Code::Backend, d.text("cuCtxSynchronize(before unmap)", r));
+        const size_t P = page();
+        // Reversible part: unmap every region; the handles still hold the
+        // memory, so a failure maps the regions done so far back (the page
+        // stays committed, contents intact).
+        for (int64_t reg = 0; reg < cfg_.num_regions; ++reg) {
+            if ((r = unmap_slice(reg, page_id)) != CUDA_SUCCESS) {
+                for (int64_t q = 0; q < reg; ++q) {
+                    const CUdeviceptr vq = slice_va(q, page_id);
+                    if (d.cuMemMap(vq, P, sliced_ ? P * static_cast<size_t>(q) : 0, handle(q, page_id), 0) ==
+                        CUDA_SUCCESS) {
+                        data(q, page_id) = 1;
+                        set_access(vq, P, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+                    } else {
+                        note("release rollback: cuMemMap failed; page " + std::to_string(page_id) +
+                             " has a hole in region " + std::to_string(q));
+                    }
+                }
+                return Status::make(Code::Backend,
+                                    d.text("cuMemUnmap(page " + std::to_string(page_id) + ")", r));
+            }
+        }
+        // Point of no return: the page is released. Freed, not recycled: the
+        // next commit gets fresh memory and zero-fills it (invariant 6).
+        committed_.fetch_sub(static_cast<int64_t>(P) * cfg_.num_regions, std::memory_order_relaxed);
+        release_handles(page_id);
+        for (int64_t reg = 0; reg < cfg_.num_regions; ++reg) map_zero(reg, page_id);
+        return Status::ok();
+    }
+
+    int64_t allocated_bytes() const override {
+        return committed_.load(std::memory_order_relaxed) + stranded_.load(std::memory_order_relaxed);
+    }
     void* region_base(int64_t region) const override {
         return reinterpret_cast<void*>(base_ + static_cast<CUdeviceptr>(region * cfg_.region_bytes));
     }
     int device_type() const override { return 2; /* kDLCUDA */ }
     int device_id() const override { return device_; }
+    std::string describe() const override { return describe_; }
+    std::string last_error() const override {
+        std::lock_guard<std::mutex> lock(err_mu_);
+        return last_error_;
+    }
 
+    // Gives every page's memory back and leaves the range inert: every
+    // granule on the read-only zero page, so tensors that outlive the space
+    // read zeros and fault on write. The VA stays reserved (and the context
+    // retained) until the backend is destroyed, so a stale tensor can never
+    // reach memory the driver has handed to someone else.
     void close() override {
-        if (base_ == 0) return;
+        if (closed_ || base_ == 0) {
+            closed_ = true;
+            return;
+        }
+        closed_ = true;
         Driver& d = driver();
-        d.cuMemUnmap(base_, total());
-        for (auto& h : handles_)
-            if (h) d.cuMemRelease(h), h = 0;
-        if (zero_) d.cuMemRelease(zero_), zero_ = 0;
-        d.cuMemAddressFree(base_, total());
-        base_ = 0;
-        committed_ = 0;
+        CtxScope scope(ctx_.ctx);
+        if (scope.result() != CUDA_SUCCESS) {
+            note(d.text("close: cuCtxPushCurrent", scope.result()));
+            return;
+        }
+        CUresult r = d.cuCtxSynchronize();  // fence, as release()
+        if (r != CUDA_SUCCESS) note(d.text("close: cuCtxSynchronize", r));
+        for (int64_t p = 0; p < npages_; ++p) {
+            for (int64_t reg = 0; reg < cfg_.num_regions; ++reg) {
+                if (!data(reg, p)) continue;
+                if ((r = unmap_slice(reg, p)) != CUDA_SUCCESS) note(d.text("close: cuMemUnmap", r));
+            }
+            release_handles(p);
+            for (int64_t reg = 0; reg < cfg_.num_regions; ++reg) map_zero(reg, p);
+        }
+        committed_.store(0);
+        stranded_.store(0);
+    }
+
+    // A forked child's copy: forget every driver object without touching it
+    // (the driver is unusable after fork, and the objects are the parent's).
+    void abandon() override {
+        abandoned_ = true;
+        closed_ = true;
+        ctx_.ctx = nullptr;
     }
 
 private:
     size_t total() const { return static_cast<size_t>(cfg_.num_regions * cfg_.region_bytes); }
-    CUdeviceptr slice(int64_t region, int64_t page) const {
-        return base_ + static_cast<CUdeviceptr>(region * cfg_.region_bytes + page * cfg_.page_bytes);
+    size_t page() const { return static_cast<size_t>(cfg_.page_bytes); }
+    int64_t per_page() const { return sliced_ ? 1 : cfg_.num_regions; }
+    CUdeviceptr slice_va(int64_t region, int64_t p) const {
+        return base_ + static_cast<CUdeviceptr>(region * cfg_.region_bytes + p * cfg_.page_bytes);
+    }
+    size_t first_granule(int64_t region, int64_t p) const {
+        return static_cast<size_t>(region * cfg_.region_bytes + p * cfg_.page_bytes) / gran_;
+    }
+    uint8_t& data(int64_t region, int64_t p) { return data_[static_cast<size_t>(region * npages_ + p)]; }
+    CUmemGenericAllocationHandle handle(int64_t region, int64_t p) const {
+        return handles_[static_cast<size_t>(p * per_page() + (sliced_ ? 0 : region))];
     }
     CUresult set_access(CUdeviceptr va, size_t n, CUmemAccess_flags flags) {
         CUmemAccessDesc a{};
@@ -239,29 +536,132 @@ private:
         a.flags = flags;
         return driver().cuMemSetAccess(va, n, &a, 1);
     }
-    Status map_zero(CUdeviceptr va, size_t n) {
+    // Unmaps whatever one slice holds, one whole mapping at a time (its data
+    // mapping, or each zero granule still mapped); nothing mapped is a no-op.
+    // The state arrays stay exact whatever fails.
+    CUresult unmap_slice(int64_t region, int64_t p) {
         Driver& d = driver();
-        for (size_t off = 0; off < n; off += gran_) {
-            CUresult r = d.cuMemMap(va + off, gran_, 0, zero_, 0);
-            if (r != CUDA_SUCCESS) return Status::make(Code::Backend, d.text("cuMemMap(zero page)", r));
-            if ((r = set_access(va + off, gran_, CU_MEM_ACCESS_FLAGS_PROT_READ)) != CUDA_SUCCESS)
-                return Status::make(Code::Backend, d.text("cuMemSetAccess(zero page)", r));
+        if (data(region, p)) {
+            const CUresult r = d.cuMemUnmap(slice_va(region, p), page());
+            if (r == CUDA_SUCCESS) data(region, p) = 0;
+            return r;
         }
-        return Status::ok();
+        const size_t g0 = first_granule(region, p);
+        for (size_t g = g0; g < g0 + kg_; ++g) {
+            if (!zmapped_[g]) continue;
+            const CUresult r = d.cuMemUnmap(base_ + g * gran_, gran_);
+            if (r != CUDA_SUCCESS) return r;
+            zmapped_[g] = 0;
+        }
+        return CUDA_SUCCESS;
     }
-    void restore_zero(CUdeviceptr va) { map_zero(va, static_cast<size_t>(cfg_.page_bytes)); }
-    Status fail(std::string msg) { return Status::make(Code::Backend, std::move(msg)); }
+    // Puts the read-only zero granule wherever the slice has nothing mapped;
+    // a granule that fails stays unmapped (noted), and the next commit or
+    // close() deals with it.
+    void map_zero(int64_t region, int64_t p) {
+        Driver& d = driver();
+        if (data(region, p)) return;
+        const size_t g0 = first_granule(region, p);
+        for (size_t g = g0; g < g0 + kg_; ++g) {
+            if (zmapped_[g]) continue;
+            const CUdeviceptr va = base_ + g * gran_;
+            CUresult r = d.cuMemMap(va, gran_, 0, zero_, 0);
+            if (r != CUDA_SUCCESS) {
+                note(d.text("cuMemMap(zero page, page " + std::to_string(p) + ")", r));
+                continue;
+            }
+            zmapped_[g] = 1;
+            if ((r = set_access(va, gran_, CU_MEM_ACCESS_FLAGS_PROT_READ)) != CUDA_SUCCESS) {
+                note(d.text("cuMemSetAccess(zero page, page " + std::to_string(p) + ")", r));
+                if (d.cuMemUnmap(va, gran_) == CUDA_SUCCESS) zmapped_[g] = 0;
+            }
+        }
+    }
+    // Drops the page's handles. Legal while still mapped (the memory lives
+    // until its last unmap); a failure strands the memory, counted until close.
+    void release_handles(int64_t p) {
+        Driver& d = driver();
+        const size_t bytes = sliced_ ? page() * static_cast<size_t>(cfg_.num_regions) : page();
+        for (int64_t k = 0; k < per_page(); ++k) {
+            CUmemGenericAllocationHandle& h = handles_[static_cast<size_t>(p * per_page() + k)];
+            if (!h) continue;
+            const CUresult r = d.cuMemRelease(h);
+            if (r != CUDA_SUCCESS) {
+                note(d.text("cuMemRelease(page " + std::to_string(p) + ")", r));
+                std::lock_guard<std::mutex> lock(err_mu_);
+                stranded_handles_.push_back(h);
+                stranded_.fetch_add(static_cast<int64_t>(bytes));
+            }
+            h = 0;
+        }
+    }
+    // Rolls a failed commit back to "zero granules everywhere, no handle".
+    void abort_commit(int64_t p) {
+        Driver& d = driver();
+        d.cuStreamSynchronize(stream_);  // no fill may land after the unmap
+        for (int64_t reg = 0; reg < cfg_.num_regions; ++reg) {
+            if (!data(reg, p)) continue;
+            const CUresult r = unmap_slice(reg, p);
+            if (r != CUDA_SUCCESS) note(d.text("commit rollback: cuMemUnmap", r));
+        }
+        release_handles(p);
+        for (int64_t reg = 0; reg < cfg_.num_regions; ++reg) map_zero(reg, p);
+    }
+    // Destroys the driver objects close() keeps for stale tensors.
+    void teardown() {
+        if (!ctx_.ctx) return;
+        Driver& d = driver();
+        CtxScope scope(ctx_.ctx);
+        if (scope.result() != CUDA_SUCCESS) return;
+        bool all_unmapped = true;
+        for (int64_t reg = 0; !data_.empty() && reg < cfg_.num_regions; ++reg)
+            for (int64_t p = 0; p < npages_; ++p) all_unmapped = unmap_slice(reg, p) == CUDA_SUCCESS && all_unmapped;
+        {
+            std::lock_guard<std::mutex> lock(err_mu_);
+            for (auto h : stranded_handles_) d.cuMemRelease(h);
+            stranded_handles_.clear();
+        }
+        if (zero_) release_zero_page(device_), zero_ = 0;
+        if (base_ && all_unmapped) d.cuMemAddressFree(base_, total());
+        base_ = 0;
+        if (stream_) d.cuStreamDestroy(stream_), stream_ = nullptr;
+    }
+    void note(std::string msg) {
+        std::lock_guard<std::mutex> lock(err_mu_);
+        last_error_ = std::move(msg);
+    }
+    // A failed open: undo what was built (the destructor's teardown).
+    Status fail(std::string msg, CUresult r = CUDA_SUCCESS) {
+        const Code code = is_oom(r) ? Code::Shortage : Code::Backend;
+        closed_ = true;
+        teardown();
+        return Status::make(code, std::move(msg));
+    }
 
     BackendConfig cfg_;
-    int device_;
-    CUdevice dev_ = 0;
-    CUcontext ctx_ = nullptr;
+    int device_;  // the ordinal: what CUmemLocation.id and DLPack want
+    int64_t npages_;
+    PrimaryCtx ctx_;
     CUmemAllocationProp prop_{};
-    size_t gran_ = 0;
+    size_t gran_ = 0, kg_ = 1;  // granularity; granules per page
+    bool sliced_ = false;
+    std::string describe_;
+    CUstream stream_ = nullptr;  // private, non-blocking: zero fills only
     CUdeviceptr base_ = 0;
-    CUmemGenericAllocationHandle zero_ = 0;
-    std::vector<CUmemGenericAllocationHandle> handles_;
-    int64_t committed_ = 0;
+    CUmemGenericAllocationHandle zero_ = 0;  // the device's shared zero granule
+    // What is mapped where, exactly (no unmap of a hole, no map over mapped
+    // VA, whatever failed before): per slice (region, page) whether its data
+    // is mapped; per granule whether the zero granule is. A page's entries are
+    // touched only by the one thread committing or releasing that page.
+    std::vector<uint8_t> data_, zmapped_;
+    std::vector<CUmemGenericAllocationHandle> handles_;  // per page: R handles, or 1 when sliced
+    // Atomic: the reserve thread and inline commits run on different threads.
+    std::atomic<int64_t> committed_{0}, stranded_{0};
+    std::atomic<bool> closed_{false};
+    bool abandoned_ = false;
+    mutable std::mutex err_mu_;  // last_error_, stranded_handles_
+    std::string last_error_;
+    std::vector<CUmemGenericAllocationHandle> stranded_handles_;
 };
 
 }  // namespace
@@ -271,15 +671,14 @@ std::string cuda_unavailable_reason() { return driver().error; }
 Status cuda_mem_info(int device, int64_t* free_bytes, int64_t* total_bytes) {
     Driver& d = driver();
     if (!d.error.empty()) return Status::make(Code::Backend, d.error);
-    CUdevice dev;
-    CUcontext ctx;
-    CUresult r;
-    if ((r = d.cuDeviceGet(&dev, device)) != CUDA_SUCCESS) return Status::make(Code::Backend, d.text("cuDeviceGet", r));
-    if ((r = d.cuDevicePrimaryCtxRetain(&ctx, dev)) != CUDA_SUCCESS ||
-        (r = d.cuCtxSetCurrent(ctx)) != CUDA_SUCCESS)
-        return Status::make(Code::Backend, d.text("cuDevicePrimaryCtxRetain", r));
+    PrimaryCtx ctx;  // retained for the call only, restoring the caller's context
+    Status st = ctx.retain(device);
+    if (!st.is_ok()) return st;
+    CtxScope scope(ctx.ctx);
+    if (scope.result() != CUDA_SUCCESS) return Status::make(Code::Backend, d.text("cuCtxPushCurrent", scope.result()));
     size_t f = 0, t = 0;
-    if ((r = d.cuMemGetInfo(&f, &t)) != CUDA_SUCCESS) return Status::make(Code::Backend, d.text("cuMemGetInfo", r));
+    const CUresult r = d.cuMemGetInfo(&f, &t);
+    if (r != CUDA_SUCCESS) return Status::make(Code::Backend, d.text("cuMemGetInfo", r));
     *free_bytes = static_cast<int64_t>(f);
     *total_bytes = static_cast<int64_t>(t);
     return Status::ok();

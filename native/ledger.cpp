@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -20,25 +21,18 @@
 namespace kvpool {
 namespace {
 
+constexpr auto kSeq = std::memory_order_seq_cst;
+constexpr int kClaimAttempts = 5;     // racing claims that saw each other retry this often
+constexpr int kSettingSpins = 20000;  // a seqlock writer inside for longer is stopped or dead
+
 long futex(std::atomic<uint32_t>* word, int op, uint32_t val, const struct timespec* ts) {
-    // The generation word lives in MAP_SHARED memory: use the shared futex ops.
+    // The generation word lives in MAP_SHARED memory: the shared futex ops.
     return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, val, ts, nullptr, 0);
 }
 
-bool pid_alive(int32_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
+bool alnum(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'); }
+bool name_char(char c) { return alnum(c) || c == '.' || c == '_' || c == '-'; }
 
-}  // namespace
-
-bool valid_pool_name(const std::string& name) {
-    if (name.empty() || name.size() > 64) return false;
-    auto alnum = [](char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'); };
-    if (!alnum(name[0])) return false;
-    for (char c : name)
-        if (!alnum(c) && c != '.' && c != '_' && c != '-') return false;
-    return true;
-}
-
-namespace {
 // State letter and start time of a process from /proc/<pid>/stat ('?' and 0
 // when it cannot be read).
 std::pair<char, uint64_t> process_stat(int32_t pid) {
@@ -59,97 +53,167 @@ std::pair<char, uint64_t> process_stat(int32_t pid) {
         if (*p == ' ') ++field;
     return {state, std::strtoull(p, nullptr, 10)};
 }
+
+// A process of this PID namespace that is gone: no such pid, a zombie (its
+// memory is already freed), or the pid reused by a process that started later.
+bool tenant_dead(int32_t pid, uint64_t start_time) {
+    if (pid <= 0) return false;
+    if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+    const auto [state, start] = process_stat(pid);
+    if (state == 'Z' || state == 'X') return true;
+    if (state == '?') return kill(pid, 0) != 0 && errno == ESRCH;  // exited between the two looks
+    return start_time != 0 && start != 0 && start != start_time;
+}
+
+// A stored name as text a reader can print: the bytes up to NUL, anything
+// outside the name alphabet (a corrupted or hostile slot) shown as '?'.
+std::string sanitized_name(const char* raw) {
+    const size_t n = strnlen(raw, kNameBytes - 1);
+    std::string s(raw, n);
+    for (char& c : s)
+        if (!name_char(c)) c = '?';
+    return s;
+}
+
 }  // namespace
+
+bool valid_name(const std::string& name) {
+    if (name.empty() || name.size() > static_cast<size_t>(kMaxNameLen) || !alnum(name[0])) return false;
+    return std::all_of(name.begin(), name.end(), name_char);
+}
 
 uint64_t process_start_time(int32_t pid) { return process_stat(pid).second; }
 
+uint64_t own_pid_namespace() {
+    struct stat st;
+    if (stat("/proc/self/ns/pid", &st) != 0) return 0;
+    return static_cast<uint64_t>(st.st_ino);
+}
+
+// ------------------------------------------------------------------ snapshot
+
+int64_t LedgerSnapshot::claimed_total() const {
+    int64_t total = 0;
+    for (const auto& r : rows) total += r.claimed + r.pending;
+    return total;
+}
+
+int64_t LedgerSnapshot::guarantee_of(const TenantRow& t) const {
+    int64_t g = 0;
+    if (t.guarantee >= 0) {
+        g = std::min(t.guarantee, capacity);
+    } else {
+        int64_t explicit_sum = 0, n_default = 0;
+        for (const auto& r : rows) {
+            if (r.guarantee >= 0) explicit_sum += std::min(r.guarantee, capacity);
+            else ++n_default;
+        }
+        g = std::max<int64_t>(0, capacity - explicit_sum) / std::max<int64_t>(1, n_default);
+    }
+    // Never more than the tenant may hold.
+    return t.limit >= 0 ? std::min(g, t.limit) : g;
+}
+
+const TenantRow* LedgerSnapshot::find(int slot) const {
+    for (const auto& r : rows)
+        if (r.slot == slot) return &r;
+    return nullptr;
+}
+
+// ---------------------------------------------------------------------- open
+
 std::shared_ptr<Ledger> Ledger::open(const std::string& name, int64_t capacity, bool create, Status* status) {
-    if (!valid_pool_name(name)) {
+    if (!valid_name(name)) {
         *status = Status::make(Code::Invalid, "bad pool name '" + name + "'");
         return nullptr;
     }
-    const std::string shm = "/kvpool-" + name;
+    if (create && capacity <= 0) {
+        *status = Status::make(Code::Invalid, "pool capacity must be > 0 bytes, got " + std::to_string(capacity));
+        return nullptr;
+    }
+    const std::string path = "/dev/shm/kvpool-" + name;
+    const size_t size = sizeof(LedgerHeader);
     bool creator = false;
     int fd = -1;
     if (create) {
-        fd = shm_open(shm.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        // O_EXCL: the segment is ours only if we made it; O_NOFOLLOW: never
+        // through a link someone else planted.
+        fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
         if (fd >= 0) creator = true;
         else if (errno != EEXIST) {
-            *status = Status::make(Code::Backend, errno_text("shm_open(" + shm + ")", errno));
+            *status = Status::make(Code::Backend, errno_text("open(" + path + ")", errno));
             return nullptr;
         }
     }
     if (fd < 0) {
-        fd = shm_open(shm.c_str(), O_RDWR | O_CLOEXEC, 0);
+        fd = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
         if (fd < 0) {
             const int err = errno;
-            *status = Status::make(err == ENOENT ? Code::Closed : Code::Backend,
+            *status = Status::make(err == ENOENT ? Code::Closed : Code::Ledger,
                                    err == ENOENT ? "pool '" + name + "' does not exist"
-                                                 : errno_text("shm_open(" + shm + ")", err));
+                                                 : errno_text("open(" + path + ")", err) +
+                                                       (err == ELOOP ? " (a symbolic link: refused)" : ""));
             return nullptr;
         }
     }
-    const size_t size = sizeof(LedgerHeader);
+    auto fail = [&](const std::string& why) {
+        ::close(fd);
+        if (creator) ::unlink(path.c_str());
+        *status = Status::make(Code::Ledger, why);
+        return std::shared_ptr<Ledger>();
+    };
     if (creator) {
-        // shm_open honours the umask: make sure the segment is owner-only.
-        fchmod(fd, 0600);
-        if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
-            const int err = errno;
-            ::close(fd);
-            shm_unlink(shm.c_str());
-            *status = Status::make(Code::Backend, errno_text("ftruncate(" + shm + ")", err));
-            return nullptr;
-        }
-    } else {
-        // Wait briefly for a concurrent creator to size and initialize it.
-        struct stat st;
-        for (int i = 0; i < 200; ++i) {
-            if (fstat(fd, &st) == 0 && st.st_size >= static_cast<off_t>(sizeof(uint64_t) * 2)) break;
+        // open() honours the umask: make sure the segment is exactly owner-only.
+        if (fchmod(fd, 0600) != 0) return fail(errno_text("fchmod(" + path + ")", errno));
+        if (ftruncate(fd, static_cast<off_t>(size)) != 0) return fail(errno_text("ftruncate(" + path + ")", errno));
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) return fail(errno_text("fstat(" + path + ")", errno));
+    // Trust only a segment this user made, that nobody else can write.
+    if (!S_ISREG(st.st_mode) || st.st_uid != geteuid() || (st.st_mode & 07777) != 0600) {
+        char buf[160];
+        std::snprintf(buf, sizeof(buf), " is owned by uid %u with mode %04o (need uid %u, mode 0600, a regular file)",
+                      static_cast<unsigned>(st.st_uid), static_cast<unsigned>(st.st_mode & 07777),
+                      static_cast<unsigned>(geteuid()));
+        return fail("pool '" + name + "' is not ours: " + path + buf + "; refusing to join it");
+    }
+    if (!creator) {
+        // A concurrent creator sizes the file right after creating it.
+        for (int i = 0; i < 200 && st.st_size == 0; ++i) {
             std::this_thread::sleep_for(std::chrono::milliseconds(5));
+            if (fstat(fd, &st) != 0) return fail(errno_text("fstat(" + path + ")", errno));
         }
-        if (fstat(fd, &st) != 0 || st.st_size != static_cast<off_t>(size)) {
-            ::close(fd);
-            *status = Status::make(Code::Invalid, "pool '" + name + "' has a ledger of another layout (" +
-                                                      std::to_string(st.st_size) + " bytes, expected " +
-                                                      std::to_string(size) + "); remove /dev/shm" + shm);
-            return nullptr;
-        }
+        if (st.st_size != static_cast<off_t>(size))
+            return fail("pool '" + name + "' has a ledger of another layout (" + std::to_string(st.st_size) +
+                        " bytes, this build reads " + std::to_string(size) + "); remove " + path +
+                        " once no engine uses it (`kvpool pools --gc`)");
     }
     void* m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    const int map_err = errno;
+    if (m == MAP_FAILED) return fail(errno_text("mmap(" + path + ")", errno));
     ::close(fd);
-    if (m == MAP_FAILED) {
-        *status = Status::make(Code::Backend, errno_text("mmap(" + shm + ")", map_err));
-        return nullptr;
-    }
+    fd = -1;
     std::shared_ptr<Ledger> l(new Ledger());
     l->name_ = name;
     l->hdr_ = static_cast<LedgerHeader*>(m);
+    l->my_pidns_ = own_pid_namespace();
     LedgerHeader* h = l->hdr_;
     if (creator) {
-        pthread_mutexattr_t a;
-        pthread_mutexattr_init(&a);
-        pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-        pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-        pthread_mutex_init(&h->mutex, &a);
-        pthread_mutexattr_destroy(&a);
+        // ftruncate zero-filled every slot (pid 0: free).
         h->version = kLedgerVersion;
         h->header_bytes = static_cast<uint32_t>(size);
         h->capacity = capacity;
-        h->committed_total.store(0);
-        h->generation.store(0);
-        for (auto& t : h->tenants) t.pid.store(0);
         h->magic.store(kLedgerMagic, std::memory_order_release);
     } else {
         for (int i = 0; i < 200 && h->magic.load(std::memory_order_acquire) == 0; ++i)
             std::this_thread::sleep_for(std::chrono::milliseconds(5));
         const uint64_t magic = h->magic.load(std::memory_order_acquire);
-        if (magic != kLedgerMagic || h->version != kLedgerVersion || h->header_bytes != size) {
-            *status = Status::make(Code::Invalid,
+        if (magic != kLedgerMagic || h->version != kLedgerVersion || h->header_bytes != size || h->capacity <= 0) {
+            *status = Status::make(Code::Ledger,
                                    "pool '" + name + "' has a ledger of another layout version (magic " +
                                        std::to_string(magic) + ", version " + std::to_string(h->version) +
-                                       ", this build reads version " + std::to_string(kLedgerVersion) +
-                                       "); remove /dev/shm" + shm + " once no engine uses it");
+                                       ", capacity " + std::to_string(h->capacity) + "; this build reads version " +
+                                       std::to_string(kLedgerVersion) + "); remove " + path +
+                                       " once no engine uses it (`kvpool pools --gc`)");
             return nullptr;  // the destructor unmaps
         }
     }
@@ -161,219 +225,371 @@ Ledger::~Ledger() {
     if (hdr_) munmap(hdr_, sizeof(LedgerHeader));
 }
 
-Status Ledger::lock() {
-    const int r = pthread_mutex_lock(&hdr_->mutex);
-    if (r == EOWNERDEAD) {
-        // The previous holder died inside the critical section, possibly
-        // between the slot's store and the total's: reap it, then recount
-        // the total from the live slots (each slot store is single).
-        pthread_mutex_consistent(&hdr_->mutex);
-        reap_locked(true);
-        recount_locked();
-        return Status::ok();
-    }
-    if (r != 0) return Status::make(Code::Backend, errno_text("pthread_mutex_lock(ledger)", r));
-    return Status::ok();
-}
-
-void Ledger::unlock() { pthread_mutex_unlock(&hdr_->mutex); }
-
-void Ledger::recount_locked() {
-    int64_t total = 0;
-    for (const auto& t : hdr_->tenants)
-        if (t.pid.load(std::memory_order_acquire) != 0) total += t.committed.load();
-    hdr_->committed_total.store(total);
-}
-
 void Ledger::bump_generation() {
     hdr_->generation.fetch_add(1, std::memory_order_acq_rel);
     futex(&hdr_->generation, FUTEX_WAKE, INT32_MAX, nullptr);
 }
 
-int Ledger::reap_locked(bool check_start_time) {
-    int reaped = 0;
-    for (auto& t : hdr_->tenants) {
-        const int32_t pid = t.pid.load(std::memory_order_acquire);
-        if (pid == 0) continue;
-        bool dead = !pid_alive(pid);
-        if (!dead) {
-            // A killed process stays a zombie until its parent waits for it,
-            // but its memory is already gone: zombies are dead tenants too.
-            const auto [state, start] = process_stat(pid);
-            dead = state == 'Z' || state == 'X' ||
-                   (check_start_time && t.start_time != 0 && start != 0 && start != t.start_time);
+void Ledger::wait_generation(uint32_t seen, double timeout_s) const {
+    struct timespec ts;
+    const struct timespec* tsp = nullptr;
+    if (timeout_s >= 0) {
+        ts.tv_sec = static_cast<time_t>(timeout_s);
+        ts.tv_nsec = static_cast<long>((timeout_s - static_cast<double>(ts.tv_sec)) * 1e9);
+        tsp = &ts;
+    }
+    futex(&hdr_->generation, FUTEX_WAIT, seen, tsp);
+}
+
+// ------------------------------------------------------------------ reading
+
+bool Ledger::read_settings(int slot, int64_t* limit, int64_t* limit_rev, int64_t* guarantee,
+                           int64_t* guarantee_rev) const {
+    const SlotSettings& s = hdr_->tenants[slot].settings;
+    for (int i = 0; i < kSettingSpins; ++i) {
+        const uint64_t s1 = s.seq.load(std::memory_order_acquire);
+        if (s1 & 1) {
+            if (i > 64) sched_yield();
+            continue;
         }
-        if (!dead) continue;
-        hdr_->committed_total.fetch_sub(t.committed.load());
-        t.committed.store(0);
-        t.pid.store(0, std::memory_order_release);
-        ++reaped;
+        const int64_t l = s.limit.load(std::memory_order_relaxed), lr = s.limit_revision.load(std::memory_order_relaxed);
+        const int64_t g = s.guarantee.load(std::memory_order_relaxed),
+                      gr = s.guarantee_revision.load(std::memory_order_relaxed);
+        std::atomic_thread_fence(std::memory_order_acquire);
+        if (s.seq.load(std::memory_order_relaxed) != s1) continue;
+        *limit = l;
+        *limit_rev = lr;
+        *guarantee = g;
+        *guarantee_rev = gr;
+        return true;
+    }
+    return false;
+}
+
+LedgerSnapshot Ledger::snapshot() const {
+    LedgerSnapshot s;
+    s.capacity = hdr_->capacity;
+    s.generation = generation();
+    s.rows.reserve(8);
+    for (int i = 0; i < kMaxTenants; ++i) {
+        const TenantSlot& t = hdr_->tenants[i];
+        const int32_t pid = t.pid.load(kSeq);
+        if (pid <= 0 || t.live.load(kSeq) != 1) continue;
+        TenantRow r;
+        r.slot = i;
+        r.pid = pid;
+        r.visible = t.pidns.load(kSeq) == my_pidns_;
+        r.name = sanitized_name(t.name);
+        r.claimed = std::max<int64_t>(0, t.claimed.load(kSeq));
+        r.pending = std::max<int64_t>(0, t.pending.load(kSeq));
+        r.want = std::max<int64_t>(0, t.want.load(kSeq));
+        r.wait_ticket = t.wait_ticket.load(kSeq);
+        r.waiting = t.waiting.load(kSeq);
+        r.limit_state = t.limit_state.load(kSeq);
+        r.lending = t.lending.load(kSeq);
+        r.reserve_pages = t.reserve_pages.load(kSeq);
+        // A writer stopped inside the seqlock: use what is there (a torn
+        // setting misjudges one tenant's share; waiting forever is worse).
+        if (!read_settings(i, &r.limit, &r.limit_revision, &r.guarantee, &r.guarantee_revision)) {
+            r.limit = t.settings.limit.load();
+            r.limit_revision = t.settings.limit_revision.load();
+            r.guarantee = t.settings.guarantee.load();
+            r.guarantee_revision = t.settings.guarantee_revision.load();
+        }
+        // The owner's verdict lags a limit another process just set: a row
+        // over its limit reads deferred at once (one verdict for readers).
+        if (r.limit >= 0 && r.claimed > r.limit) r.limit_state = 1;
+        s.rows.push_back(std::move(r));
+    }
+    return s;
+}
+
+bool Ledger::anyone_waiting(int slot) const {
+    for (int i = 0; i < kMaxTenants; ++i) {
+        if (i == slot) continue;
+        const TenantSlot& t = hdr_->tenants[i];
+        if (t.pid.load(std::memory_order_acquire) > 0 &&
+            (t.waiting.load(std::memory_order_acquire) > 0 || t.want.load(std::memory_order_acquire) > 0))
+            return true;
+    }
+    return false;
+}
+
+// ------------------------------------------------------------------ tenants
+
+Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int64_t guarantee_bytes, int* slot) {
+    if (!valid_name(name))
+        return Status::make(Code::Invalid, "bad tenant name '" + name +
+                                               "': use 1-64 characters from [A-Za-z0-9._-], starting with a "
+                                               "letter or digit");
+    reap();
+    const int32_t me = static_cast<int32_t>(getpid());
+    const uint64_t start = process_start_time(me);
+    if (guarantee_bytes >= 0) {
+        const LedgerSnapshot s = snapshot();
+        int64_t explicit_sum = 0;
+        for (const auto& r : s.rows)
+            if (r.guarantee >= 0) explicit_sum += r.guarantee;
+        if (explicit_sum + guarantee_bytes > s.capacity)
+            return Status::make(Code::Invalid, "guarantee_bytes=" + std::to_string(guarantee_bytes) +
+                                                   " does not fit pool '" + name_ + "': explicit guarantees hold " +
+                                                   std::to_string(explicit_sum) + " of its " +
+                                                   std::to_string(s.capacity) + " bytes");
+    }
+    // Two tenants registering the same name at once: each publishes itself,
+    // then looks for the other; of two SC store-then-load sequences at least
+    // one sees the other, and whoever sees a twin withdraws (both may: retry).
+    for (int attempt = 0; attempt < 4; ++attempt) {
+        for (const auto& r : snapshot().rows)
+            if (r.name == name)
+                return Status::make(Code::Invalid,
+                                    "pool '" + name_ + "' already has a live tenant named '" + name + "'");
+        int mine = -1;
+        for (int i = 0; i < kMaxTenants && mine < 0; ++i) {
+            int32_t expect = 0;
+            if (hdr_->tenants[i].pid.compare_exchange_strong(expect, me, kSeq)) mine = i;
+        }
+        if (mine < 0)
+            return Status::make(Code::Shortage, "pool '" + name_ + "' has no free tenant slot (max " +
+                                                    std::to_string(kMaxTenants) + ")");
+        TenantSlot& t = hdr_->tenants[mine];
+        t.pidns.store(my_pidns_, kSeq);  // first: a reaper can judge the slot from here on
+        t.start_time.store(start, kSeq);
+        std::memset(t.name, 0, sizeof(t.name));
+        std::memcpy(t.name, name.data(), name.size());
+        t.claimed.store(0);
+        t.pending.store(0);
+        t.want.store(0);
+        t.wait_ticket.store(0);
+        t.waiting.store(0);
+        t.limit_state.store(0);
+        t.reserve_pages.store(0);
+        t.lending.store(0);
+        SlotSettings& st = t.settings;
+        // Nobody else writes a slot that is not live yet: take the seqlock
+        // plainly, past any odd value a dead writer left behind.
+        const uint64_t seq = (st.seq.load() | 1) + 1;
+        st.seq.store(seq - 1);
+        st.limit.store(limit_bytes < 0 ? -1 : limit_bytes);
+        st.limit_revision.store(0);
+        st.guarantee.store(guarantee_bytes < 0 ? -1 : guarantee_bytes);
+        st.guarantee_revision.store(0);
+        st.seq.store(seq, std::memory_order_release);
+        t.live.store(1, kSeq);
+        bool twin = false;
+        for (int i = 0; i < kMaxTenants; ++i) {
+            if (i == mine) continue;
+            const TenantSlot& o = hdr_->tenants[i];
+            if (o.pid.load(kSeq) > 0 && o.live.load(kSeq) == 1 && std::strncmp(o.name, t.name, kNameBytes) == 0)
+                twin = true;
+        }
+        if (!twin) {
+            *slot = mine;
+            bump_generation();  // default guarantees changed: every tenant's share moved
+            return Status::ok();
+        }
+        t.live.store(0, kSeq);
+        t.pid.store(0, kSeq);
+        std::this_thread::sleep_for(std::chrono::microseconds(50 * (attempt + 1) * (1 + me % 7)));
+    }
+    return Status::make(Code::Invalid, "pool '" + name_ + "' already has a live tenant named '" + name + "'");
+}
+
+void Ledger::unregister_tenant(int slot) {
+    if (slot < 0 || slot >= kMaxTenants) return;
+    TenantSlot& t = hdr_->tenants[slot];
+    if (t.pid.load() != static_cast<int32_t>(getpid())) return;
+    t.live.store(0, kSeq);  // out of every sum from here
+    t.claimed.store(0);
+    t.pending.store(0);
+    t.want.store(0);
+    t.waiting.store(0);
+    t.wait_ticket.store(0);
+    t.pid.store(0, kSeq);
+    bump_generation();
+}
+
+bool Ledger::reap_slot(int slot) {
+    TenantSlot& t = hdr_->tenants[slot];
+    int32_t pid = t.pid.load(kSeq);
+    if (pid <= 0) return false;
+    // Take the slot from the dead owner; a reaper racing us loses the CAS.
+    if (!t.pid.compare_exchange_strong(pid, -static_cast<int32_t>(getpid()), kSeq)) return false;
+    t.live.store(0, kSeq);
+    t.claimed.store(0);
+    t.pending.store(0);
+    t.want.store(0);
+    t.waiting.store(0);
+    t.wait_ticket.store(0);
+    t.lending.store(0);
+    t.pid.store(0, kSeq);
+    return true;
+}
+
+int Ledger::reap() {
+    int reaped = 0;
+    const int32_t me = static_cast<int32_t>(getpid());
+    for (int i = 0; i < kMaxTenants; ++i) {
+        TenantSlot& t = hdr_->tenants[i];
+        const int32_t pid = t.pid.load(kSeq);
+        if (pid < 0) {
+            // A reaper that died inside reap_slot: finish its work if it is
+            // ours to judge (it would have been in our namespace only if the
+            // slot's owner was).
+            if (t.pidns.load() == my_pidns_ && tenant_dead(-pid, 0)) {
+                int32_t expect = pid;
+                if (t.pid.compare_exchange_strong(expect, 0, kSeq)) ++reaped;
+            }
+            continue;
+        }
+        if (pid == 0 || pid == me) continue;
+        // Only tenants of this PID namespace: another namespace's pid 7 is
+        // not our pid 7.
+        if (t.pidns.load(kSeq) != my_pidns_ || my_pidns_ == 0) continue;
+        if (tenant_dead(pid, t.start_time.load())) reaped += reap_slot(i) ? 1 : 0;
     }
     if (reaped) bump_generation();
     return reaped;
 }
 
-int Ledger::reap(bool check_start_time) {
-    if (!lock().is_ok()) return 0;
-    const int r = reap_locked(check_start_time);
-    unlock();
-    return r;
-}
-
-Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int* slot) {
-    Status s = lock();
-    if (!s.is_ok()) return s;
-    reap_locked(true);
-    const int32_t me = static_cast<int32_t>(getpid());
-    for (const auto& t : hdr_->tenants) {
-        if (t.pid.load() != 0 && name == t.name) {
-            unlock();
-            return Status::make(Code::Invalid, "pool '" + name_ + "' already has a live tenant named '" + name + "'");
+Status Ledger::find_tenant(const std::string& tenant, int* slot) {
+    reap();
+    for (const auto& r : snapshot().rows)
+        if (r.name == tenant) {
+            *slot = r.slot;
+            return Status::ok();
         }
-    }
-    for (int i = 0; i < kMaxTenants; ++i) {
-        TenantSlot& t = hdr_->tenants[i];
-        if (t.pid.load() != 0) continue;
-        t.start_time = process_start_time(me);
-        std::memset(t.name, 0, sizeof(t.name));
-        std::strncpy(t.name, name.c_str(), sizeof(t.name) - 1);
-        t.committed.store(0);
-        t.limit.store(limit_bytes < 0 ? -1 : limit_bytes);
-        t.limit_revision.store(0);
-        t.limit_state.store(0);
-        t.waiting.store(0);
-        t.reserve_pages.store(0);
-        t.pid.store(me, std::memory_order_release);
-        *slot = i;
-        unlock();
-        return Status::ok();
-    }
-    unlock();
-    return Status::make(Code::Shortage, "pool '" + name_ + "' has no free tenant slot (max " +
-                                            std::to_string(kMaxTenants) + ")");
+    return Status::make(Code::Ledger, "pool '" + name_ + "' has no tenant '" + tenant + "'");
 }
 
-void Ledger::unregister_tenant(int slot) {
-    if (!lock().is_ok()) return;
-    TenantSlot& t = hdr_->tenants[slot];
-    if (t.pid.load() == static_cast<int32_t>(getpid())) {
-        hdr_->committed_total.fetch_sub(t.committed.load());
-        t.committed.store(0);
-        t.pid.store(0, std::memory_order_release);
-        bump_generation();
-    }
-    unlock();
-}
+// ------------------------------------------------------------------- claims
 
-Status Ledger::claim(int slot, int64_t bytes) {
-    Status s = lock();
-    if (!s.is_ok()) return s;
-    TenantSlot& t = hdr_->tenants[slot];
-    auto fits = [&] {
-        const int64_t lim = t.limit.load();
-        return hdr_->committed_total.load() + bytes <= hdr_->capacity &&
-               (lim < 0 || t.committed.load() + bytes <= lim);
-    };
-    if (!fits() && (reap_locked(true) == 0 || !fits())) {  // a dead tenant may have held the room
-        const int64_t room_pool = hdr_->capacity - hdr_->committed_total.load();
-        const int64_t lim = t.limit.load();
-        std::string why = "pool '" + name_ + "' has " + std::to_string(room_pool) + " bytes free for a claim of " +
-                          std::to_string(bytes);
-        if (lim >= 0)
-            why += " (tenant limit " + std::to_string(lim) + ", committed " + std::to_string(t.committed.load()) + ")";
-        unlock();
-        return Status::make(Code::Shortage, why);
+bool Ledger::claim_once(int slot, int64_t bytes, bool (*admit)(void*, const LedgerSnapshot&, std::string*), void* ctx,
+                        std::string* why) {
+    TenantSlot& me = hdr_->tenants[slot];
+    for (int attempt = 0; attempt < kClaimAttempts; ++attempt) {
+        me.pending.store(bytes, kSeq);
+        if (stop_mid_claim_) {
+            stop_mid_claim_ = false;
+            raise(SIGSTOP);  // test hook: stopped with the claim pending
+        }
+        const LedgerSnapshot s = snapshot();
+        const int64_t total = s.claimed_total();
+        const bool fits = total <= s.capacity;
+        if (fits && admit(ctx, s, why)) {
+            me.claimed.fetch_add(bytes, kSeq);  // counted twice for a moment: conservative
+            me.pending.store(0, kSeq);
+            return true;
+        }
+        me.pending.store(0, kSeq);
+        if (fits) return false;  // the policy said no; *why says why
+        int64_t others_pending = 0;
+        for (const auto& r : s.rows)
+            if (r.slot != slot) others_pending += r.pending;
+        if (total - others_pending <= s.capacity && attempt + 1 < kClaimAttempts) {
+            // Only claims in flight were in the way: they settle in a moment.
+            sched_yield();
+            continue;
+        }
+        const int64_t free_bytes = s.capacity - (total - bytes);
+        *why = "pool '" + name_ + "' has " + std::to_string(std::max<int64_t>(0, free_bytes)) +
+               " bytes free for a claim of " + std::to_string(bytes);
+        return false;
     }
-    t.committed.fetch_add(bytes);
-    hdr_->committed_total.fetch_add(bytes);
-    unlock();
-    return Status::ok();
+    *why = "pool '" + name_ + "': claim of " + std::to_string(bytes) + " bytes lost to concurrent claims";
+    return false;
 }
 
 void Ledger::release(int slot, int64_t bytes) {
-    if (bytes <= 0 || !lock().is_ok()) return;
-    TenantSlot& t = hdr_->tenants[slot];
-    t.committed.fetch_sub(bytes);
-    if (crash_mid_release_) raise(SIGKILL);  // test hook: die between the two stores
-    hdr_->committed_total.fetch_sub(bytes);
-    bump_generation();  // wake waiters in every process: budget came back
-    unlock();
-}
-
-int64_t Ledger::room(int slot) const {
-    const TenantSlot& t = hdr_->tenants[slot];
-    int64_t r = hdr_->capacity - hdr_->committed_total.load(std::memory_order_acquire);
-    const int64_t lim = t.limit.load(std::memory_order_acquire);
-    if (lim >= 0) r = std::min(r, lim - t.committed.load(std::memory_order_acquire));
-    return std::max<int64_t>(0, r);
-}
-
-int64_t Ledger::pool_room() const {
-    return std::max<int64_t>(0, hdr_->capacity - hdr_->committed_total.load(std::memory_order_acquire));
-}
-
-Status Ledger::set_limit(int slot, int64_t bytes, int64_t revision, LimitResult* result, int32_t verdict) {
-    Status s = lock();
-    if (!s.is_ok()) return s;
-    TenantSlot& t = hdr_->tenants[slot];
-    const int64_t cur = t.limit_revision.load();
-    if (revision < cur) *result = LimitResult::Stale;
-    else if (revision == cur) *result = t.limit.load() == bytes ? LimitResult::Same : LimitResult::Conflict;
-    else {
-        t.limit.store(bytes);
-        t.limit_revision.store(revision);
-        if (verdict < 0) verdict = bytes >= 0 && t.committed.load() > bytes ? 1 : 0;
-        t.limit_state.store(verdict);
-        bump_generation();
-        *result = LimitResult::Applied;
-    }
-    unlock();
-    return Status::ok();
-}
-
-Status Ledger::set_limit_by_name(const std::string& tenant, int64_t bytes, int64_t revision, LimitResult* result) {
-    int slot = -1;
-    {
-        Status s = lock();
-        if (!s.is_ok()) return s;
-        reap_locked(true);
-        for (int i = 0; i < kMaxTenants; ++i)
-            if (hdr_->tenants[i].pid.load() != 0 && tenant == hdr_->tenants[i].name) slot = i;
-        unlock();
-    }
-    if (slot < 0) return Status::make(Code::Invalid, "pool '" + name_ + "' has no tenant '" + tenant + "'");
-    if (revision < 0) revision = limit_revision(slot) + 1;
-    return set_limit(slot, bytes, revision, result);
+    if (bytes <= 0) return;
+    hdr_->tenants[slot].claimed.fetch_sub(bytes, kSeq);
+    // Wake other processes only if someone there waits for budget.
+    if (anyone_waiting(slot)) bump_generation();
 }
 
 void Ledger::report(int slot, int32_t limit_state, int32_t waiting, int64_t reserve_pages) {
     TenantSlot& t = hdr_->tenants[slot];
-    t.limit_state.store(limit_state);
-    t.waiting.store(waiting);
-    t.reserve_pages.store(reserve_pages);
+    t.limit_state.store(limit_state, std::memory_order_release);
+    t.waiting.store(waiting, std::memory_order_release);
+    t.reserve_pages.store(reserve_pages, std::memory_order_release);
 }
 
-std::vector<TenantInfo> Ledger::tenants() {
-    std::vector<TenantInfo> out;
-    if (!lock().is_ok()) return out;
-    reap_locked(true);
-    for (int i = 0; i < kMaxTenants; ++i) {
-        const TenantSlot& t = hdr_->tenants[i];
-        const int32_t pid = t.pid.load();
-        if (pid == 0) continue;
-        out.push_back({i, pid, std::string(t.name, strnlen(t.name, kNameBytes)), t.committed.load(),
-                       t.limit.load(), t.limit_revision.load(), t.limit_state.load(), t.waiting.load(),
-                       t.reserve_pages.load()});
+void Ledger::publish_want(int slot, int64_t want_bytes) {
+    TenantSlot& t = hdr_->tenants[slot];
+    want_bytes = std::max<int64_t>(0, want_bytes);
+    if (want_bytes > 0 && t.wait_ticket.load() == 0)
+        t.wait_ticket.store(hdr_->tickets.fetch_add(1, kSeq) + 1, kSeq);
+    const int64_t old = t.want.exchange(want_bytes, kSeq);
+    if (want_bytes == 0) t.wait_ticket.store(0, kSeq);
+    if ((old == 0) != (want_bytes == 0)) bump_generation();  // lenders start or stop lending
+}
+
+void Ledger::publish_lending(int slot, bool lending) {
+    hdr_->tenants[slot].lending.store(lending ? 1 : 0, std::memory_order_release);
+}
+
+// ----------------------------------------------------------------- settings
+
+Status Ledger::write_setting(int slot, bool guarantee, int64_t bytes, int64_t revision, LimitResult* result) {
+    const char* what = guarantee ? "guarantee" : "limit";
+    if (slot < 0 || slot >= kMaxTenants) return Status::make(Code::Invalid, "bad tenant slot");
+    if (bytes < -1) return Status::make(Code::Invalid, std::string(what) + " must be >= 0 bytes, or -1 for none");
+    if (revision < 0 || revision > kMaxRevision)
+        return Status::make(Code::Invalid, std::string(what) + " revision must be in [0, 2**53], got " +
+                                               std::to_string(revision));
+    TenantSlot& t = hdr_->tenants[slot];
+    SlotSettings& s = t.settings;
+    uint64_t seq = 0;
+    bool entered = false;
+    for (int i = 0; i < kSettingSpins && !entered; ++i) {
+        seq = s.seq.load(kSeq);
+        if (!(seq & 1) && s.seq.compare_exchange_weak(seq, seq + 1, kSeq)) entered = true;
+        else if (i > 64) sched_yield();
     }
-    unlock();
-    return out;
+    if (!entered)
+        return Status::make(Code::Ledger, "pool '" + name_ + "': the settings of tenant slot " + std::to_string(slot) +
+                                              " are held by a stopped or dead writer; try again");
+    std::atomic<int64_t>& value = guarantee ? s.guarantee : s.limit;
+    std::atomic<int64_t>& rev = guarantee ? s.guarantee_revision : s.limit_revision;
+    const int64_t cur = rev.load(kSeq);
+    Status st = Status::ok();
+    if (revision < cur) *result = LimitResult::Stale;
+    else if (revision == cur) *result = value.load(kSeq) == bytes ? LimitResult::Same : LimitResult::Conflict;
+    else {
+        const int64_t old = value.exchange(bytes, kSeq);
+        *result = LimitResult::Applied;
+        if (guarantee && bytes >= 0) {
+            // Explicit guarantees may not add up to more than the capacity.
+            // Checked after the write (SC), so of two racing setters at least
+            // one sees the other; an over-promise is rolled back.
+            int64_t sum = 0;
+            for (int i = 0; i < kMaxTenants; ++i) {
+                const TenantSlot& o = hdr_->tenants[i];
+                if (o.pid.load(kSeq) <= 0 || o.live.load(kSeq) != 1) continue;
+                const int64_t g = o.settings.guarantee.load(kSeq);
+                if (g >= 0) sum += g;
+            }
+            if (sum > hdr_->capacity) {
+                value.store(old, kSeq);
+                st = Status::make(Code::Invalid, "a guarantee of " + std::to_string(bytes) + " bytes does not fit pool '" +
+                                                     name_ + "': explicit guarantees would hold " +
+                                                     std::to_string(sum) + " of its " +
+                                                     std::to_string(hdr_->capacity) + " bytes");
+            }
+        }
+        if (st.is_ok()) rev.store(revision, kSeq);
+    }
+    s.seq.store(seq + 2, std::memory_order_release);
+    if (st.is_ok() && *result == LimitResult::Applied) bump_generation();
+    return st;
 }
 
-void Ledger::wait_generation(uint32_t seen, double timeout_s) {
-    struct timespec ts;
-    ts.tv_sec = static_cast<time_t>(timeout_s);
-    ts.tv_nsec = static_cast<long>((timeout_s - static_cast<double>(ts.tv_sec)) * 1e9);
-    futex(&hdr_->generation, FUTEX_WAIT, seen, &ts);
+Status Ledger::set_limit(int slot, int64_t bytes, int64_t revision, LimitResult* result) {
+    return write_setting(slot, false, bytes, revision, result);
+}
+
+Status Ledger::set_guarantee(int slot, int64_t bytes, int64_t revision, LimitResult* result) {
+    return write_setting(slot, true, bytes, revision, result);
 }
 
 }  // namespace kvpool

@@ -1,72 +1,126 @@
 // The pool ledger: one shared-memory segment per pool (/dev/shm/kvpool-<name>,
 // mode 0600) that every engine process on the host joins. It holds the pool
-// capacity, one slot per tenant (pid + start time, name, committed bytes,
-// limit + revision) and a generation word that changes on every release or
-// limit change and doubles as a futex for cross-process wake-ups.
+// capacity, one slot per tenant and a generation word that doubles as a futex
+// for cross-process wake-ups.
 //
-// Claim before commit: a tenant claims the bytes of all the pages an
-// operation needs in one locked step, then commits; a failed commit returns
-// the claim. Two processes racing for the last pages can neither over-commit
-// the pool nor leak a claim.
+// A ledger no peer can block (DESIGN.md). There is no lock: a tenant can be
+// SIGKILLed, SIGSTOPped, frozen by a cgroup or hostile at any instruction and
+// no other tenant ever waits for it.
 //
-// A robust process-shared mutex guards the slots. A tenant whose process died
-// (even while holding the mutex: EOWNERDEAD) is reaped by the next holder and
-// its budget returned.
+//   * A slot's figures (claimed, pending, want, waiting, verdicts) are written
+//     only by its owner. The pool total is not stored: it is the sum of the
+//     live slots, so a tenant dying between two stores cannot leave the books
+//     inconsistent (there is no second store to miss).
+//   * Claim before commit, without a lock: the owner publishes the claim as
+//     `pending`, then reads every slot (sequentially consistent); if the sum
+//     (claims and pending claims of everyone) fits the capacity it moves the
+//     bytes to `claimed`. Of two tenants racing for the last bytes at least
+//     one sees the other's pending claim (the store-load order of SC atomics),
+//     so the pool is never over-committed; at worst both back off and retry
+//     (a bounded number of times, then a shortage). A tenant stopped inside a
+//     claim holds its pending bytes while it is stopped: a shortage, never a
+//     hang.
+//   * Settings (limit, guarantee and their revisions) may be written by any
+//     process (operators): a per-slot seqlock whose writers enter by CAS. A
+//     reader retries a bounded number of times and otherwise keeps the last
+//     settings it read; a writer that finds it busy for that long gets an
+//     error. Nobody waits indefinitely.
+//   * Slots are taken by CAS on the pid word. A dead tenant's slot is reaped
+//     by whoever notices (CAS pid -> -reaper pid, clear, free), judged only
+//     for tenants in this process's PID namespace (pid + start time + pidns
+//     inode): a process cannot see, and must not judge, another namespace's
+//     pids.
+//
+// Trust: a segment is used only if it is ours (owner uid, mode 0600, regular
+// file, opened O_NOFOLLOW, created O_EXCL) and its layout checks out.
 #pragma once
-#include <pthread.h>
-
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "status.hpp"
 
 namespace kvpool {
 
-constexpr uint64_t kLedgerMagic = 0x4b56504f4f4c4c31ULL;  // "KVPOOLL1"
-constexpr uint32_t kLedgerVersion = 1;
+constexpr uint64_t kLedgerMagic = 0x4b56504f4f4c4c32ULL;  // "KVPOOLL2"
+constexpr uint32_t kLedgerVersion = 2;
 constexpr int kMaxTenants = 64;
-constexpr int kNameBytes = 64;
+constexpr int kMaxNameLen = 64;             // pool and tenant names: [A-Za-z0-9][A-Za-z0-9._-]{0,63}
+constexpr int kNameBytes = 72;              // stored NUL-terminated
+constexpr int64_t kMaxRevision = int64_t{1} << 53;  // revisions are exact in a double (JSON, Python floats)
+
+// Settings any process may write (operators), under the slot's seqlock.
+struct SlotSettings {
+    std::atomic<uint64_t> seq;  // odd while a writer is inside
+    std::atomic<int64_t> limit;            // bytes, -1 = none
+    std::atomic<int64_t> limit_revision;
+    std::atomic<int64_t> guarantee;        // bytes, -1 = the default (equal) share
+    std::atomic<int64_t> guarantee_revision;
+};
 
 struct TenantSlot {
-    std::atomic<int32_t> pid;  // 0: free slot
-    uint32_t pad0;
-    uint64_t start_time;       // /proc/<pid>/stat starttime: guards against pid reuse
+    // 0: free; > 0: the owner's pid; < 0: -pid of a process reaping the slot.
+    std::atomic<int32_t> pid;
+    std::atomic<uint32_t> live;       // 1 once the owner finished registering
+    std::atomic<uint64_t> pidns;      // inode of the owner's /proc/self/ns/pid
+    std::atomic<uint64_t> start_time; // /proc/<pid>/stat starttime: guards against pid reuse
     char name[kNameBytes];
-    std::atomic<int64_t> committed;
-    std::atomic<int64_t> limit;           // bytes, -1 = none
-    std::atomic<int64_t> limit_revision;
-    std::atomic<int32_t> limit_state;     // 0 applied, 1 deferred (reported by the tenant)
-    std::atomic<int32_t> waiting;         // waiting allocs (reported by the tenant)
-    std::atomic<int64_t> reserve_pages;   // idle committed pages (reported by the tenant)
+    // --- written by the owner only ---
+    std::atomic<int64_t> claimed;     // bytes committed or being committed
+    std::atomic<int64_t> pending;     // a claim being judged (counted by every judge)
+    std::atomic<int64_t> want;        // bytes its waiting requests need beyond `claimed` (0: none)
+    std::atomic<uint64_t> wait_ticket;  // pool-wide arrival order of its wait (0: not waiting)
+    std::atomic<int32_t> waiting;     // waiting requests
+    std::atomic<int32_t> limit_state; // 0 applied, 1 deferred: the owner's verdict
+    std::atomic<int64_t> reserve_pages;  // idle committed pages
+    std::atomic<int32_t> lending;     // 1 while it lends to a tenant below its guarantee
+    std::atomic<int32_t> pad0;
+    SlotSettings settings;
 };
 
 struct LedgerHeader {
     std::atomic<uint64_t> magic;  // written last at creation
     uint32_t version;
     uint32_t header_bytes;
-    pthread_mutex_t mutex;  // robust, process-shared
-    int64_t capacity;
-    std::atomic<int64_t> committed_total;
-    std::atomic<uint32_t> generation;  // futex word
+    int64_t capacity;             // immutable once magic is written
+    std::atomic<uint32_t> generation;  // futex word: bumped on every change others may act on
     uint32_t pad1;
+    std::atomic<uint64_t> tickets;     // source of wait tickets
     TenantSlot tenants[kMaxTenants];
 };
 
-struct TenantInfo {
-    int slot;
-    int32_t pid;
+// One live tenant as read from the ledger (a snapshot row).
+struct TenantRow {
+    int slot = -1;
+    int32_t pid = 0;
+    bool visible = true;      // in this process's PID namespace (liveness judged here)
     std::string name;
-    int64_t committed, limit, limit_revision;
-    int32_t limit_state, waiting;
-    int64_t reserve_pages;
+    int64_t claimed = 0, pending = 0, want = 0;
+    uint64_t wait_ticket = 0;
+    int32_t waiting = 0, limit_state = 0, lending = 0;
+    int64_t reserve_pages = 0;
+    int64_t limit = -1, limit_revision = 0, guarantee = -1, guarantee_revision = 0;
+};
+
+// Every live tenant read in one pass; figures derived from the same rows
+// (the total is the sum of the rows, never read apart from them).
+struct LedgerSnapshot {
+    int64_t capacity = 0;
+    uint32_t generation = 0;
+    std::vector<TenantRow> rows;
+    int64_t claimed_total() const;
+    // A tenant's guarantee in force: its explicit one, or an equal share of
+    // what explicit guarantees leave, among the tenants on the default.
+    int64_t guarantee_of(const TenantRow& t) const;
+    const TenantRow* find(int slot) const;
 };
 
 enum class LimitResult : int { Applied = 0, Stale = 1, Conflict = 2, Same = 3 };
 
-bool valid_pool_name(const std::string& name);
+bool valid_name(const std::string& name);
 
 class Ledger {
 public:
@@ -74,62 +128,78 @@ public:
     // (create=false: join only). Returns nullptr and sets *status on failure.
     static std::shared_ptr<Ledger> open(const std::string& name, int64_t capacity, bool create, Status* status);
     ~Ledger();
+    Ledger(const Ledger&) = delete;
+    Ledger& operator=(const Ledger&) = delete;
 
     const std::string& name() const { return name_; }
     int64_t capacity() const { return hdr_->capacity; }
-    int64_t committed_total() const { return hdr_->committed_total.load(std::memory_order_acquire); }
     uint32_t generation() const { return hdr_->generation.load(std::memory_order_acquire); }
 
-    // A new tenant starts with `limit_bytes` (-1 = none) at revision 0: a
-    // limit given at construction is the pool's one limit for it.
-    Status register_tenant(const std::string& name, int64_t limit_bytes, int* slot);
+    // A new tenant starts with `limit_bytes` / `guarantee_bytes` (-1: none /
+    // the default share) at revision 0.
+    Status register_tenant(const std::string& name, int64_t limit_bytes, int64_t guarantee_bytes, int* slot);
     void unregister_tenant(int slot);
-    // Claim bytes for `slot`: Shortage (nothing claimed) if the pool or the
-    // tenant's limit has no room.
-    Status claim(int slot, int64_t bytes);
+
+    // Claim `bytes` for `slot` if the pool has room and `admit` (the
+    // tenant's budget policy, judged on a snapshot that includes this claim
+    // as pending) agrees. Returns true if claimed; on false *why says why.
+    template <class Admit>
+    bool claim(int slot, int64_t bytes, Admit&& admit, std::string* why);
     void release(int slot, int64_t bytes);
-    // Bytes `slot` could claim now (pool room and limit room), lock-free.
-    int64_t room(int slot) const;
-    // Bytes the pool has unclaimed, whatever any tenant's limit (lock-free).
-    int64_t pool_room() const;
-    int64_t limit(int slot) const { return hdr_->tenants[slot].limit.load(std::memory_order_acquire); }
-    int64_t limit_revision(int slot) const {
-        return hdr_->tenants[slot].limit_revision.load(std::memory_order_acquire);
-    }
-    // Sets the limit if `revision` is newer and judges it at once (limit_state)
-    // so a reader never sees a new limit next to the old verdict. The tenant
-    // itself passes `verdict` (0 applied, 1 deferred: Space's one judgement);
-    // an operator in another process passes -1 and the ledger judges from
-    // the tenant's claimed bytes until the tenant re-reports (a moment later,
-    // its watcher wakes on the generation).
-    Status set_limit(int slot, int64_t bytes, int64_t revision, LimitResult* result, int32_t verdict = -1);
-    // Set a limit by tenant name (operators); Invalid if no such tenant.
-    Status set_limit_by_name(const std::string& tenant, int64_t bytes, int64_t revision, LimitResult* result);
+
+    // Owner-written figures.
     void report(int slot, int32_t limit_state, int32_t waiting, int64_t reserve_pages);
-    std::vector<TenantInfo> tenants();
-    // Reaps dead tenants; returns how many. check_start_time also catches a
-    // reused pid (reads /proc); the cheap form only asks kill(pid, 0).
-    int reap(bool check_start_time = true);
-    // Futex wait until the generation differs from `seen` (or timeout).
-    void wait_generation(uint32_t seen, double timeout_s);
+    // Publish what this tenant's waiting requests need (0: nothing waits).
+    // Takes a wait ticket on the first want, drops it on 0; bumps the
+    // generation when the want appears or goes (lenders react to it).
+    void publish_want(int slot, int64_t want_bytes);
+    void publish_lending(int slot, bool lending);
+
+    // Settings (any process). *result says how the pool took it.
+    Status set_limit(int slot, int64_t bytes, int64_t revision, LimitResult* result);
+    Status set_guarantee(int slot, int64_t bytes, int64_t revision, LimitResult* result);
+    Status find_tenant(const std::string& tenant, int* slot);
+    // The slot's settings (seqlock read); false if a writer kept it busy.
+    bool read_settings(int slot, int64_t* limit, int64_t* limit_rev, int64_t* guarantee, int64_t* guarantee_rev) const;
+
+    LedgerSnapshot snapshot() const;
+    // Reaps dead tenants of this PID namespace; returns how many.
+    int reap();
+    // Futex wait until the generation differs from `seen` (timeout < 0: none).
+    void wait_generation(uint32_t seen, double timeout_s) const;
     void bump_generation();  // and wake every waiter, in every process
-    // Test hook: the next release kills this process between the slot's and
-    // the total's update (a crash inside the critical section).
-    void inject_crash_mid_release() { crash_mid_release_ = true; }
+    // Whether any tenant other than `slot` has requests waiting.
+    bool anyone_waiting(int slot) const;
+
+    // Test hook: the next claim stops this process (SIGSTOP) with its claim
+    // pending, inside the claim protocol.
+    void inject_stop_mid_claim() { stop_mid_claim_ = true; }
 
 private:
     Ledger() = default;
-    Status lock();
-    void unlock();
-    int reap_locked(bool check_start_time);
-    void recount_locked();  // committed_total := sum of the live slots
+    bool claim_once(int slot, int64_t bytes, bool (*admit)(void*, const LedgerSnapshot&, std::string*), void* ctx,
+                    std::string* why);
+    Status write_setting(int slot, bool guarantee, int64_t bytes, int64_t revision, LimitResult* result);
+    bool reap_slot(int slot);
 
     std::string name_;
     LedgerHeader* hdr_ = nullptr;
-    bool crash_mid_release_ = false;
+    uint64_t my_pidns_ = 0;
+    bool stop_mid_claim_ = false;
 };
+
+template <class Admit>
+bool Ledger::claim(int slot, int64_t bytes, Admit&& admit, std::string* why) {
+    using F = std::remove_reference_t<Admit>;
+    auto thunk = [](void* ctx, const LedgerSnapshot& s, std::string* w) -> bool {
+        return (*static_cast<F*>(ctx))(s, w);
+    };
+    return claim_once(slot, bytes, thunk, static_cast<void*>(&admit), why);
+}
 
 // Process start time (clock ticks since boot) from /proc, 0 if unknown.
 uint64_t process_start_time(int32_t pid);
+// Inode of /proc/self/ns/pid (0 if unknown).
+uint64_t own_pid_namespace();
 
 }  // namespace kvpool

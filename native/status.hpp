@@ -14,7 +14,8 @@ enum class Code : int {
     Invalid = 2,   // caller misuse (bad ids, bad arguments)
     Backend = 3,   // a syscall/driver failure that is not a shortage
     Closed = 4,    // the space was closed
-    Ledger = 5,    // the pool refused a tenant (duplicate name, no free slot)
+    Ledger = 5,    // the pool refused a tenant (duplicate name, no free slot), or is not ours
+    Unsatisfiable = 6,  // a request larger than the tenant can ever hold: refused, never queued
 };
 
 struct Status {

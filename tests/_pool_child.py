@@ -35,7 +35,7 @@ def main() -> None:
     space.set_reserve(1, 2)
     while True:
         if ctl[0] == 1:
-            space.settle(5)
+            space.settle(60)
             ctl[1 + index] = 1
             while ctl[0] == 1:
                 time.sleep(0.001)

@@ -46,7 +46,7 @@ def test_a_thread_waits_until_another_thread_frees() -> None:
         wait_until(lambda: m.stats().waiting == 1)
         assert got == []
         m.free(held[:8])
-        t.join(5)
+        t.join()  # a stuck thread ends in the test's timeout
         assert sorted(got) == sorted(held[:8].tolist())
 
 
@@ -67,7 +67,7 @@ def test_close_fails_blocked_threads_with_pool_closed() -> None:
     wait_until(lambda: m.stats().waiting == 3)
     m.close()
     for t in threads:
-        t.join(5)
+        t.join()
     assert len(errors) == 3
     with pytest.raises(PoolClosed):
         m.alloc(1)
@@ -83,23 +83,28 @@ def test_calling_from_the_managers_own_loop_is_refused() -> None:
         m.run_coroutine(inside)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_eight_threads_and_coroutines_share_one_pool_without_deadlock_or_leak() -> None:
-    stop = time.monotonic() + 4
+    # Counts operations, never time: each thread and coroutine does `rounds`
+    # grants (the old form ran 4 s and asked for more than 50 of each, which a
+    # busy machine need not deliver; issue 10, item 12).
+    rounds = 60
     counts = {"thread": 0, "coro": 0}
     failures: list[BaseException] = []
     with BlockingKVCacheManager(G, pool=None, reserve=(1, 2)) as m:
 
         def worker(seed: int) -> None:
             rng = random.Random(seed)
+            done = 0
             try:
-                while time.monotonic() < stop:
+                while done < rounds:
                     try:
                         ids = m.alloc(rng.randint(1, 24), timeout=rng.choice((None, 0.01, 0.2)))
                     except TimeoutError:
                         continue
                     time.sleep(rng.random() * 0.002)
                     m.free(ids)
+                    done += 1
                     counts["thread"] += 1
             except BaseException as e:  # pragma: no cover - reported below
                 failures.append(e)
@@ -107,7 +112,8 @@ def test_eight_threads_and_coroutines_share_one_pool_without_deadlock_or_leak() 
         async def coroutines(manager: KVCacheManager) -> None:
             async def one(seed: int) -> None:
                 rng = random.Random(seed)
-                while time.monotonic() < stop:
+                done = 0
+                while done < rounds:
                     ids = None
                     with anyio.move_on_after(rng.random() * 0.05):  # a cancelled wait holds nothing
                         ids = await manager.alloc(rng.randint(1, 24))
@@ -115,6 +121,7 @@ def test_eight_threads_and_coroutines_share_one_pool_without_deadlock_or_leak() 
                         continue
                     await anyio.sleep(rng.random() * 0.002)
                     manager.free(ids)
+                    done += 1
                     counts["coro"] += 1
 
             async with anyio.create_task_group() as tg:
@@ -126,9 +133,8 @@ def test_eight_threads_and_coroutines_share_one_pool_without_deadlock_or_leak() 
             t.start()
         m.run_coroutine(coroutines)
         for t in threads:
-            t.join(30)
-            assert not t.is_alive(), "a thread is stuck"
+            t.join()  # a stuck thread ends in the test's timeout
         assert not failures, failures
         st = m.stats()
         assert st.used_blocks == 0 and st.waiting == 0  # nothing leaked
-    assert counts["thread"] > 50 and counts["coro"] > 50
+    assert counts == {"thread": 8 * rounds, "coro": 4 * rounds}

@@ -42,7 +42,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def _quiet(self) -> None:
         if self.thread:
-            assert self.space.settle(5)
+            assert self.space.settle(60)
 
     @rule(n=st.integers(0, 30))
     def alloc(self, n: int) -> None:

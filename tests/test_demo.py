@@ -9,15 +9,27 @@ import sys
 
 import pytest
 
+# The demo decodes with a real (tiny) model: ~70 s of CPU however few requests
+# it serves, so its wall time is that CPU over the share a busy machine gives
+# it (3 min at 40 % of a core here; the old 220 s limit failed under load,
+# issue 10 item 12). Each run gets one generous bound, inside the test's own
+# timeout so the child is killed and its output shown; nothing is judged on time.
+RUN_LIMIT_S = 1140
 
-@pytest.mark.timeout(240)
+
+def run_demo(args: list[str], cwd: pathlib.Path) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run([sys.executable, "-m", "kvpool.cli", "demo", *args],
+                              capture_output=True, text=True, cwd=cwd, timeout=RUN_LIMIT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the demo did not finish in {RUN_LIMIT_S} s; it printed:\n{e.stdout!r}\n{e.stderr!r}")
+
+
+@pytest.mark.timeout(RUN_LIMIT_S + 60)
 def test_a_short_demo_checks_itself_and_writes_its_figures(tmp_path: pathlib.Path) -> None:
     plot = tmp_path / "demo.png"
-    out = subprocess.run(
-        [sys.executable, "-m", "kvpool.cli", "demo", "--engines", "2", "--duration", "2", "--burst", "4",
-         "--pool-mib", "4", "--check", "3", "--plot", str(plot), "--json"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=220,
-    )
+    out = run_demo(["--engines", "2", "--duration", "2", "--burst", "4", "--pool-mib", "4", "--check", "3",
+                    "--plot", str(plot), "--json"], tmp_path)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     corr = data["correctness"]
@@ -31,18 +43,16 @@ def test_a_short_demo_checks_itself_and_writes_its_figures(tmp_path: pathlib.Pat
     assert data["static"]["slice_bytes"] == (4 << 20) // 2
     assert all(e["peak_committed_bytes"] <= data["static"]["slice_bytes"] for e in data["static"]["engines"])
     assert set(data["ratios_elastic_over_static"]) >= {"tokens_per_s", "ttft_p99", "wait"}
+    assert data["clock"] == "real" and data["torch_threads"] == 1  # issue 14: more threads collapse when busy
     png = plot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(RUN_LIMIT_S + 60)
 def test_one_process_per_engine_serves_the_same_requests_correctly(tmp_path: pathlib.Path) -> None:
     plot = tmp_path / "demo.png"
-    out = subprocess.run(
-        [sys.executable, "-m", "kvpool.cli", "demo", "--processes", "--engines", "2", "--duration", "2",
-         "--burst", "3", "--pool-mib", "4", "--check", "2", "--plot", str(plot), "--json"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=220,
-    )
+    out = run_demo(["--processes", "--engines", "2", "--duration", "2", "--burst", "3", "--pool-mib", "4",
+                    "--check", "2", "--plot", str(plot), "--json"], tmp_path)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["correctness"]["mismatches"] == [] and data["correctness"]["same_requests_served"]

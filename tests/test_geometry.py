@@ -159,3 +159,54 @@ def test_page_of_agrees_with_block_range_membership(
     for b in (-1, g.blocks):
         with pytest.raises(IndexError):
             g.page_of(b)
+
+
+# Issue 10, D8: 2**43 + 1 regions x 2 MiB wrapped to a 2 MiB memory file in the
+# native core's int64 and the first commit grew it until the OOM killer came;
+# page_bytes=2**62 was a bare mmap EINVAL. Every product is bounded up front.
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        (dict(num_layers=2**43 + 1, num_kv_buffers=1, block_bytes=16 * KiB, num_blocks=4, page_bytes=2 * MiB),
+         r"num_regions \(8796093022209 = num_layers 8796093022209 x num_kv_buffers 1\) x region bytes"),
+        (dict(num_layers=2**20, num_kv_buffers=2, block_bytes=2 * MiB, num_blocks=1024, page_bytes=2 * MiB),
+         r"num_regions \(2097152 = .*\) x region bytes \(1024 pages x 2097152\) = 4503599627370496 bytes"),
+        (dict(num_layers=1, num_kv_buffers=1, block_bytes=4 * KiB, num_blocks=4, page_bytes=2**62),
+         r"page_bytes = 4611686018427387904 bytes exceeds the 140737488355328 bytes"),
+        (dict(num_layers=1, num_kv_buffers=1, block_bytes=2**63, num_blocks=4, page_bytes=2**64),
+         r"page_bytes = 18446744073709551616 bytes exceeds"),
+        (dict(num_layers=1, num_kv_buffers=2, block_bytes=64 * KiB, num_blocks=2**40, page_bytes=64 * KiB),
+         r"num_blocks \(1099511627776\) x block bytes \(65536\) = 72057594037927936 bytes exceeds"),
+        (dict(num_layers=2, num_kv_buffers=2, block_bytes=4 * KiB, num_blocks=None, memory_bytes=2**60,
+              page_bytes=64 * KiB),
+         r"memory_bytes \(1152921504606846976\) in whole page commits = 1152921504606846976 bytes exceeds"),
+        (dict(num_layers=2**40, num_kv_buffers=2, block_bytes=1 * MiB, num_blocks=4, page_bytes=2 * MiB,
+              layout="contiguous"),
+         r"a contiguous block \(block_bytes x num_layers x num_kv_buffers\) = 2305843009213693952 bytes exceeds"),
+    ],
+    ids=["regions_wrap_int64", "regions_x_region", "page_2_62", "page_2_64", "blocks_x_block", "memory_bytes",
+         "contiguous_block"],
+)
+def test_a_geometry_beyond_the_virtual_address_space_is_refused_with_its_numbers(kw: dict, named: str) -> None:
+    with pytest.raises(GeometryError, match=named):
+        Geometry(**kw)
+
+
+def test_a_geometry_of_exactly_the_virtual_address_space_is_accepted() -> None:
+    g = Geometry(1024, 1, 2 * MiB, 2**16, page_bytes=2 * MiB)  # 2**10 regions x 2**16 pages x 2**21 = 2**47
+    assert g.num_regions * g.region_bytes == 2**47 and g.capacity == 2**16
+    with pytest.raises(GeometryError, match="140737488355328"):
+        Geometry(1025, 1, 2 * MiB, 2**16, page_bytes=2 * MiB)
+
+
+def test_a_page_of_2_62_bytes_is_a_geometry_error_before_any_space_is_made(make_space) -> None:
+    with pytest.raises(GeometryError, match="page_bytes = 4611686018427387904"):
+        make_space(Geometry(1, 1, 4 * KiB, 4, page_bytes=2**62))
+
+
+@pytest.mark.parametrize("method", ["block_range", "page_of"])
+@pytest.mark.parametrize("bad", [True, 1.0, "1", None])
+def test_page_and_block_lookups_refuse_what_is_not_an_int(method: str, bad: object) -> None:
+    g = Geometry(1, 1, 4 * KiB, 16, page_bytes=16 * KiB)
+    with pytest.raises(ValueError, match=f"must be an int, got {bad!r}"):
+        getattr(g, method)(bad)

@@ -50,7 +50,7 @@ async def test_a_limit_below_use_is_deferred_until_frees_bring_use_under_it(mana
         manager.free(ids[:4])
         assert manager.limit_state is LimitState.DEFERRED  # 3 pages still in use
         manager.free(ids[4:8])
-        assert manager.space.settle(5)  # the reserve thread gives emptied pages back
+        assert manager.space.settle(60)  # the reserve thread gives emptied pages back
         assert manager.limit_state is LimitState.APPLIED
     assert manager.stats().committed_bytes <= 2 * PAGE
     names = [e["event"] for e in events if e["event"].startswith("limit.")]
@@ -101,14 +101,14 @@ async def test_a_waiter_blocked_by_a_deferred_limit_is_granted_only_within_it(ma
         tg.start_soon(want)
         await let_tasks_park()
         manager.free(ids[:4])  # 3 pages in use: applied, but no room for a new page
-        assert manager.space.settle(5)  # the emptied page goes back (reserve thread or inline)
+        assert manager.space.settle(60)  # the emptied page goes back (reserve thread or inline)
         await let_tasks_park()
         assert manager.limit_state is LimitState.APPLIED
         assert got == []
         manager.free(ids[4:8])  # now one page of room
         await let_tasks_park()
     assert len(got) == 4
-    assert manager.space.settle(5)
+    assert manager.space.settle(60)
     assert manager.space.allocated_bytes() <= 3 * PAGE
 
 

@@ -15,7 +15,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -55,6 +55,15 @@ def stop(p: subprocess.Popen[str]) -> None:
     for pipe in (p.stdin, p.stdout, p.stderr):
         if pipe is not None:
             pipe.close()
+
+
+def wait_for(cond: Callable[[], bool], what: str | Callable[[], str], guard_s: float = 240) -> None:
+    """Wait for an event another process reaches at its own pace. The guard only
+    turns a hang into a message; it is far beyond any machine's load."""
+    guard = time.monotonic() + guard_s
+    while not cond():
+        assert time.monotonic() < guard, f"{what if isinstance(what, str) else what()}: not after {guard_s} s"
+        time.sleep(0.005)
 
 
 # ------------------------------------------------------------------ security
@@ -141,9 +150,8 @@ def test_a_pool_limit_set_by_an_operator_is_applied_natively(pool_name: str) -> 
         ids = s.alloc(16)  # 4 pages
         s.free(ids[:8])    # 2 idle reserve pages kept (max 4)
         assert pool.set_limit("eng", 3 * PCB) == "applied"
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and s.allocated_bytes() > 3 * PCB:
-            time.sleep(0.01)  # the tenant's pool watcher gives the idle page above the limit back
+        # The tenant's pool watcher gives the idle page above the limit back.
+        wait_for(lambda: s.allocated_bytes() <= 3 * PCB, "the idle page above the limit goes back")
         assert s.allocated_bytes() == 3 * PCB
         assert s.available() == 4  # 2 full pages + 1 idle page within the limit
         with pytest.raises(PoolExhausted):
@@ -192,69 +200,14 @@ def test_a_killed_tenant_has_its_budget_returned(pool_name: str, tmp_path: pathl
         stop(p)
 
 
-def test_a_tenant_killed_while_holding_the_ledger_mutex_is_reaped(pool_name: str, tmp_path: pathlib.Path) -> None:
-    pool = Pool(pool_name, capacity=8 * PCB)
-    code = textwrap.dedent(
-        f"""
-        import ctypes, mmap, os, sys, time
-        from kvpool import Geometry, KVSpace, Pool
-        g = Geometry(1, 2, 4096, 256, page_bytes=16384)
-        s = KVSpace(g, pool=Pool({pool_name!r}, create=False), name="victim", reserve_thread=False, reserve=(0, 0))
-        s.alloc(16)
-        f = open("/dev/shm/kvpool-{pool_name}", "r+b")
-        mm = mmap.mmap(f.fileno(), 0)
-        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-        libc = ctypes.CDLL(None)
-        assert libc.pthread_mutex_lock(ctypes.c_void_p(base + 16)) == 0  # the mutex follows magic+version
-        print("locked", flush=True)
-        time.sleep(60)
-        """
-    )
-    p = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdout.readline().strip() == "locked"
-        assert pool.committed == 4 * PCB
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        assert pool.tenants() == []  # EOWNERDEAD: made consistent, dead tenant reaped
-        assert pool.committed == 0
-        with KVSpace(G, pool=pool, name="next", reserve_thread=False, reserve=(0, 0)) as s:
-            assert len(s.alloc(32)) == 32
-    finally:
-        stop(p)
-
-
-def test_a_tenant_killed_between_the_slot_and_total_update_leaves_the_total_exact(
-        pool_name: str, tmp_path: pathlib.Path) -> None:
-    # Regression: the mutex's EOWNERDEAD path trusted the stored total, so a
-    # death between a release's two stores left the pool short by that claim.
-    pool = Pool(pool_name, capacity=8 * PCB)
-    code = textwrap.dedent(
-        f"""
-        from kvpool import Geometry, KVSpace, Pool
-        pool = Pool({pool_name!r}, create=False)
-        g = Geometry(1, 2, 4096, 256, page_bytes=16384)
-        s = KVSpace(g, pool=pool, name="victim", reserve_thread=False, reserve=(0, 0))
-        ids = s.alloc(16)
-        print("ready", flush=True)
-        pool._ledger.inject_crash_mid_release()
-        s.free(ids)  # releases a page: dies inside the ledger's critical section
-        print("survived", flush=True)
-        """
-    )
-    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert p.returncode == -signal.SIGKILL, p.stderr
-    assert p.stdout.split() == ["ready"]
-    assert [t.name for t in pool.tenants()] == []  # lock: EOWNERDEAD, reaped
-    assert pool.committed == 0
-    with KVSpace(G, pool=pool, name="next", reserve_thread=False, reserve=(0, 0)) as s:
-        assert len(s.alloc(32)) == 32  # the whole pool, not one page less
-
-
 # --------------------------------------------------- many processes, kills
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 def test_four_processes_with_kills_keep_the_ledger_exact(pool_name: str, tmp_path: pathlib.Path) -> None:
+    # Counts kills and operations, never what happens in a given time: the old
+    # form counted kills inside a fixed 8 s window and failed on a busy machine
+    # (issue 10, item 12).
+    kills_wanted, ops_between_kills = 8, 20
     capacity = 24 * PCB  # small: tenants run into each other constantly
     pool = Pool(pool_name, capacity=capacity)
     ctl_path = tmp_path / "ctl"
@@ -270,12 +223,13 @@ def test_four_processes_with_kills_keep_the_ledger_exact(pool_name: str, tmp_pat
             [sys.executable, str(CHILD), pool_name, str(i), str(ctl_path)],
             cwd=tmp_path, stdout=subprocess.PIPE, text=True)
 
-    def promote_ready() -> None:
+    def promote_ready() -> bool:
         for i, p in list(pending.items()):
             assert p.stdout is not None
             if select.select([p.stdout], [], [], 0)[0]:
                 assert p.stdout.readline().strip() == "ready"
                 procs[i] = pending.pop(i)
+        return not pending
 
     def op_counts() -> dict[int, int]:
         # Each child counts its operations at ctl[8 + 8 * index] (pid -> count).
@@ -289,22 +243,20 @@ def test_four_processes_with_kills_keep_the_ledger_exact(pool_name: str, tmp_pat
         # the flag before its first operation; starting children commit nothing.
         ctl[0] = 1
         promote_ready()
-        deadline = time.monotonic() + 5
-        while any(ctl[1 + i] != 1 for i in procs) and time.monotonic() < deadline:
-            time.sleep(0.002)
-        assert all(ctl[1 + i] == 1 for i in procs), "a tenant did not pause"
+        wait_for(lambda: all(ctl[1 + i] == 1 for i in procs), "every tenant pauses")
         assert pool.reap() == 0  # nothing died while paused
         everyone = [*procs.values(), *pending.values()]
         # Paused tenants do no alloc/free, but one tenant's settling release
         # can wake another's reserve thread (budget came back) for one more
         # bounded commit: compare at quiescence, where a leak still shows.
-        settle_by = time.monotonic() + 3
-        while True:
+        books: list[tuple[int, int]] = []
+
+        def quiet() -> bool:
             committed, real = pool.committed, sum(memfd_bytes(p.pid) for p in everyone)
-            if (committed == real and pool.committed == committed) or time.monotonic() > settle_by:
-                break
-            time.sleep(0.01)
-        assert committed == real, (committed, real)
+            books.append((committed, real))
+            return committed == real and pool.committed == committed
+
+        wait_for(quiet, lambda: f"the ledger matches real memory (last committed, real: {books[-1]})", guard_s=60)
         assert pool.committed <= capacity
         tenants = {t.pid for t in pool.tenants()}
         assert {p.pid for p in procs.values()} <= tenants <= {p.pid for p in everyone}
@@ -313,43 +265,30 @@ def test_four_processes_with_kills_keep_the_ledger_exact(pool_name: str, tmp_pat
     try:
         for i in range(4):
             start(i)
-        deadline = time.monotonic() + 30
-        while pending and time.monotonic() < deadline:
-            promote_ready()
-            time.sleep(0.01)
-        samples = kills = 0
-        end = time.monotonic() + 8
-        next_kill = time.monotonic() + 1
-        at_last_kill: dict[int, int] = {}
-        stalled: list[int] = []
-        while time.monotonic() < end:
-            time.sleep(0.1)
-            promote_ready()
+        wait_for(promote_ready, "4 tenants start")
+        samples = 0
+        for kill in range(kills_wanted):
+            # At most one tenant is still starting (the last one killed): kills
+            # overlap a join, and the count of kills does not outrun restarts.
+            wait_for(lambda: (promote_ready(), len(procs) >= 3)[1], f"a restarted tenant starts before kill {kill}")
+            # Survivors keep going while others die: every tenant alive at the
+            # previous kill does operations since (a stalled one fails here).
+            since = op_counts()
+            wait_for(lambda: all(n >= since[pid] + ops_between_kills for pid, n in op_counts().items() if pid in since),
+                     f"every live tenant does {ops_between_kills} operations after kill {kill}")
             sample()
-            samples += 1
-            if time.monotonic() >= next_kill:
-                next_kill += 1
-                live = sorted(procs)
-                if not live:
-                    continue
-                # Survivors keep going while others die: every tenant alive at the
-                # previous kill has done operations since.
-                now_counts = op_counts()
-                stalled += [pid for pid, n in now_counts.items() if pid in at_last_kill and n <= at_last_kill[pid]]
-                victim = live[kills % len(live)]
-                procs[victim].send_signal(signal.SIGKILL)
-                stop(procs.pop(victim))
-                ctl[1 + victim] = 0
-                sample()  # the dead budget comes back at the next lock
-                start(victim)
-                kills += 1
-                at_last_kill = op_counts()
-        assert kills >= 7 and samples >= 30
+            victim = sorted(procs)[kill % len(procs)]
+            procs[victim].send_signal(signal.SIGKILL)
+            stop(procs.pop(victim))
+            ctl[1 + victim] = 0
+            sample()  # the dead budget comes back at the next lock
+            samples += 2
+            start(victim)
+        assert samples == 2 * kills_wanted
     finally:
         ctl[0] = 0
         for p in [*procs.values(), *pending.values()]:
             stop(p)
-    assert not stalled, f"tenants {stalled} made no progress between two kills"
 
 
 # --------------------------------------------------- cross-process wake-ups
@@ -383,7 +322,7 @@ async def test_a_waiter_is_granted_when_another_process_frees(
                 p.stdin.flush()
                 # No Python call in this process: the release reaches us through
                 # the ledger futex -> native watcher -> eventfd -> event loop.
-                with anyio.fail_after(10):
+                with anyio.fail_after(240):  # a hang guard only: the wake-up is an event
                     while not got:
                         await anyio.sleep(0.001)
             assert len(got) == 16
@@ -398,12 +337,11 @@ def test_a_killed_tenant_not_yet_waited_for_is_reaped(pool_name: str, tmp_path: 
     p = _start_holder(pool_name, tmp_path, 32)
     try:
         p.send_signal(signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:  # wait for the zombie, without reaping it
+        def zombie() -> bool:  # wait for the zombie, without reaping it
             with open(f"/proc/{p.pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
-            time.sleep(0.01)
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+        wait_for(zombie, "the killed tenant becomes a zombie")
         assert pool.tenants() == [] and pool.committed == 0
     finally:
         stop(p)

@@ -1,0 +1,79 @@
+"""A virtual clock for ``kvpool demo --clock virtual``: asyncio whose time jumps.
+
+The loop's ``time()`` is a number this module advances, never the machine's
+clock. Whenever no callback is ready, instead of sleeping until the next
+timer the selector moves the clock to that timer at once (autojump). A run
+therefore takes as much virtual time as its sleeps add up to, whatever the
+machine's load, and as little wall time as its Python takes.
+
+Why asyncio and not trio's ``MockClock(autojump_threshold=0)``: the demo must
+give identical figures for the same seed, and its engines often act at the
+same virtual instant (one free grants several engines' waiters, which all
+resume at that instant and may allocate again). trio randomizes the order of
+every batch of runnable tasks on purpose (a module-level ``random.Random``
+reverses half the batches) and breaks deadline ties by ``id()``, so two
+runs could hand the pool's last pages to different engines. asyncio runs
+ready callbacks first in, first out and keeps its timers in a heap fed in
+program order: the same program gives the same interleaving every time.
+
+File descriptors still work: the managers watch their spaces' eventfds, which
+the native watcher threads signal when the pool's generation moves. Those
+arrive at real, not virtual, times; they are polled without waiting and are
+harmless here because the demo hands capacity over synchronously at each
+free (``KVCacheManager.poll``), so a late wake-up finds nothing left to grant.
+Nothing in a virtual run may wait for a thread (``to_thread``): the clock
+would jump past it. A run in which every task waits and no timer is due is a
+deadlock, reported as :class:`VirtualDeadlock` rather than hung.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class VirtualDeadlock(RuntimeError):
+    """Every task waits and no timer will ever wake one."""
+
+
+class _JumpingSelector(selectors.DefaultSelector):
+    """Never sleeps: reports the fds ready now, else jumps the clock to the next timer."""
+
+    def __init__(self, loop: VirtualClockLoop) -> None:
+        super().__init__()
+        self._loop = loop
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        ready: list[tuple[selectors.SelectorKey, int]] = super().select(0)
+        if ready or timeout == 0:
+            return ready
+        if timeout is None:
+            raise VirtualDeadlock(
+                f"virtual clock at {self._loop.time():.3f} s: every task waits and no timer is due "
+                "(an alloc that no free will ever satisfy?)")
+        self._loop.advance(timeout)
+        return ready
+
+
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An asyncio loop on a virtual clock that starts at 0 and jumps to each timer."""
+
+    def __init__(self) -> None:
+        self._now = 0.0
+        super().__init__(_JumpingSelector(self))
+
+    def time(self) -> float:
+        return self._now
+
+    def advance(self, seconds: float) -> None:
+        self._now += seconds
+
+
+def run_virtual(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` to completion on a fresh :class:`VirtualClockLoop`."""
+    with asyncio.Runner(loop_factory=VirtualClockLoop) as runner:
+        return runner.run(main)

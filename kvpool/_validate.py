@@ -1,0 +1,149 @@
+"""Argument checks shared by every public entry point (DESIGN.md, invariant 10).
+
+Each check runs before any state changes and raises with a message that names
+the argument and the value it got. Numbers bound for the native core must fit
+its ``int64``: a larger Python int would otherwise surface as nanobind's
+``TypeError`` with a signature dump, and a ``bool`` would pass as 0 or 1
+(``set_limit(True)`` was a 1-byte limit, ``free([id, True])`` freed block 1).
+
+Kinds of error, as in the rest of kvpool: a number of the wrong kind or out of
+range is a ``ValueError``; an object of the wrong kind (a pool, a device, a
+name, a flag) is a ``TypeError``; bad block ids are :class:`InvalidBlocks`.
+
+This module imports neither torch nor the native core, so the operator
+commands (``kvpool top``, ``pools``, ``limit``) can use it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import InvalidBlocks
+
+__all__ = [
+    "INT64_MAX",
+    "block_ids",
+    "device",
+    "flag",
+    "int_array",
+    "integer",
+    "optional_integer",
+    "seconds",
+    "text",
+]
+
+INT64_MAX = 2**63 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def integer(name: str, value: object, *, lo: int = 0, hi: int = INT64_MAX) -> int:
+    """``value`` as an int in ``[lo, hi]`` (bools and floats refused); ValueError otherwise."""
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    v = int(cast(Any, value))  # an int or a numpy integer: checked above
+    if v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+    if v > hi:
+        why = " (the native core's int64)" if hi == INT64_MAX else ""
+        raise ValueError(f"{name} must be <= {hi}{why}, got {v}")
+    return v
+
+
+def optional_integer(name: str, value: object, *, lo: int = 0, hi: int = INT64_MAX) -> int | None:
+    """:func:`integer`, or ``None`` passed through."""
+    return None if value is None else integer(name, value, lo=lo, hi=hi)
+
+
+def seconds(name: str, value: object, *, allow_inf: bool = True) -> float:
+    """A non-negative number of seconds (bools and NaN refused)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    v = float(value)
+    if math.isnan(v) or v < 0 or (math.isinf(v) and not allow_inf):
+        raise ValueError(f"{name} must be >= 0{'' if allow_inf else ' and finite'} seconds, got {value!r}")
+    return v
+
+
+def flag(name: str, value: object) -> bool:
+    """A real bool (``"no"`` or ``0`` would read as a wish of the other sign)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def text(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def device(value: object) -> str:
+    """``"cpu"``, ``"cuda"`` (= ``"cuda:0"``) or ``"cuda:N"``, normalized."""
+    if not isinstance(value, str):
+        raise TypeError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {value!r} ({type(value).__name__})")
+    if value == "cpu":
+        return value
+    if value == "cuda":
+        return "cuda:0"
+    if value.startswith("cuda:") and value[5:].isascii() and value[5:].isdigit() and int(value[5:]) < 2**31:
+        return f"cuda:{int(value[5:])}"
+    raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+
+
+def block_ids(blocks: object) -> npt.NDArray[np.int64]:
+    """A free batch as a C-contiguous int64 array; the ids themselves are checked natively.
+
+    Accepts a numpy array, a torch tensor or any iterable of ints. Refuses
+    bools (``True`` is not block 1), floats and ints beyond int64, naming
+    them, with :class:`InvalidBlocks`.
+    """
+    return int_array("block ids", blocks, InvalidBlocks)
+
+
+def int_array(what: str, values: object, error: type[ValueError] = ValueError) -> npt.NDArray[np.int64]:
+    """``values`` (an array, a tensor, any iterable of ints) as a 1-D C-contiguous int64 array.
+
+    ``error`` (a ``ValueError``; :class:`InvalidBlocks` for block ids) is
+    raised, naming the offending values, for bools, non-integers and ints
+    beyond int64; range checks against the space are the native core's.
+    """
+
+    def fail(message: str, bad: list[int] | None = None) -> ValueError:
+        return InvalidBlocks(message, bad or []) if issubclass(error, InvalidBlocks) else error(message)
+
+    torch = sys.modules.get("torch")  # a tensor can only come from a process that imported torch
+    if torch is not None and isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    if isinstance(values, np.ndarray):
+        arr = values
+    else:
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+            raise fail(f"{what} must be a sequence of ints, got {values!r}")
+        seq: Any = values if isinstance(values, (list, tuple)) else list(values)
+        kinds = set(map(type, seq))  # one C-speed pass; the slow scans below run only on an error
+        if bool in kinds or np.bool_ in kinds:
+            bools = [x for x in seq if isinstance(x, (bool, np.bool_))]
+            raise fail(f"{what} must be ints, not bools: got {bools[:8]} in the batch")
+        arr = np.asarray(seq)
+        if arr.dtype == object:  # ints beyond int64/uint64, or mixed objects
+            bad = [x for x in seq if not _is_int(x) or not -(2**63) <= int(x) <= INT64_MAX]
+            raise fail(f"{what} {bad[:8]} are not ints in the int64 range",
+                       [int(x) for x in bad[:8] if _is_int(x)])
+    if arr.ndim != 1:
+        raise fail(f"{what} must be a 1-D sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise fail(f"{what} must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize >= 8 and int(arr.max()) > INT64_MAX:
+        big = [int(x) for x in arr if int(x) > INT64_MAX]
+        raise fail(f"{what} {big[:8]} are out of range", big)
+    return np.ascontiguousarray(arr, dtype=np.int64)

@@ -1,0 +1,215 @@
+#include "budget.hpp"
+
+#include <algorithm>
+#include <limits>
+
+namespace kvpool {
+namespace {
+
+constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
+
+// A tenant's guarantee in force: explicit or default share, never above its limit.
+int64_t effective_guarantee(const LedgerSnapshot& s, const TenantRow& r) { return s.guarantee_of(r); }
+
+// The fair-share rules (budget.hpp) on one snapshot: how many bytes `slot`
+// may claim now, and whether another tenant waits below its guarantee.
+struct Share {
+    int64_t room = 0;        // bytes claimable now (limit not applied)
+    int64_t guarantee = 0;   // this tenant's guarantee in force
+    bool starving = false;   // some other tenant waits below its guarantee
+    std::string starving_name;
+};
+
+Share judge_share(const LedgerSnapshot& s, int slot) {
+    Share out;
+    const TenantRow* me = s.find(slot);
+    const int64_t mine = me ? me->claimed : 0;
+    const uint64_t my_ticket = me && me->wait_ticket ? me->wait_ticket : std::numeric_limits<uint64_t>::max();
+    out.guarantee = me ? effective_guarantee(s, *me) : 0;
+    int64_t others = 0;
+    for (const auto& r : s.rows)
+        if (r.slot != slot) others += r.claimed + r.pending;
+    const int64_t free_bytes = s.capacity - others - mine;
+    const int64_t deficit = std::max<int64_t>(0, out.guarantee - mine);
+    int64_t protect_within = 0;  // wanted by waiters ahead of us within guarantees
+    int64_t protect_borrow = 0;  // wanted by waiters ahead of a borrower
+    for (const auto& r : s.rows) {
+        if (r.slot == slot || r.want <= 0) continue;
+        const int64_t their_deficit = effective_guarantee(s, r) - r.claimed;
+        if (their_deficit > 0) {
+            out.starving = true;
+            if (out.starving_name.empty()) out.starving_name = r.name;
+            // Pool-wide order: furthest below guarantee first, FIFO among equals.
+            if (their_deficit > deficit || (their_deficit == deficit && r.wait_ticket < my_ticket))
+                protect_within += std::min(r.want, their_deficit);
+        } else if (r.wait_ticket < my_ticket) {
+            protect_borrow += r.want;  // an earlier borrower: first come
+        }
+    }
+    const int64_t room_within = std::clamp<int64_t>(free_bytes - protect_within, 0, deficit);
+    // Borrowing (growing past the guarantee) only while nobody below its
+    // guarantee waits, and only from memory no earlier waiter wants.
+    out.room = out.starving ? room_within : std::max(room_within, free_bytes - protect_borrow);
+    out.room = std::max<int64_t>(0, out.room);
+    return out;
+}
+
+}  // namespace
+
+Budget::Budget(std::shared_ptr<Ledger> ledger, int slot, int64_t page_commit_bytes, int64_t private_limit_bytes)
+    : ledger_(std::move(ledger)), slot_(slot), pcb_(std::max<int64_t>(1, page_commit_bytes)) {
+    if (ledger_) refresh(true);
+    else limit_bytes_ = private_limit_bytes < 0 ? -1 : private_limit_bytes;
+}
+
+int64_t Budget::limit_pages() const { return limit_bytes_ < 0 ? -1 : limit_bytes_ / pcb_; }
+
+int64_t Budget::max_pages() const {
+    int64_t cap = ledger_ ? ledger_->capacity() : -1;
+    if (limit_bytes_ >= 0) cap = cap < 0 ? limit_bytes_ : std::min(cap, limit_bytes_);
+    return cap < 0 ? -1 : cap / pcb_;
+}
+
+void Budget::judge(const LedgerSnapshot& s) {
+    const Share sh = judge_share(s, slot_);
+    guarantee_bytes_ = sh.guarantee;
+    starving_ = sh.starving;
+    relend();
+}
+
+void Budget::relend() {
+    const bool lending = ledger_ && starving_ && claimed_pages_ * pcb_ > guarantee_bytes_;
+    if (lending != lending_) {
+        lending_ = lending;
+        ledger_->publish_lending(slot_, lending);
+    }
+}
+
+bool Budget::refresh(bool force) {
+    if (!ledger_) return false;
+    const uint32_t gen = ledger_->generation();
+    if (!force && gen == seen_generation_) return false;
+    seen_generation_ = gen;
+    const int64_t old_limit = limit_bytes_, old_g = guarantee_bytes_;
+    const bool old_lending = lending_;
+    int64_t l, lr, g, gr;
+    // A writer stopped inside the seqlock: keep the settings read last.
+    if (ledger_->read_settings(slot_, &l, &lr, &g, &gr)) {
+        limit_bytes_ = l;
+        limit_revision_ = lr;
+        guarantee_setting_ = g;
+        guarantee_revision_ = gr;
+    }
+    judge(ledger_->snapshot());
+    return limit_bytes_ != old_limit || guarantee_bytes_ != old_g || lending_ != old_lending;
+}
+
+bool Budget::claim(int64_t pages, std::string* why) {
+    if (pages <= 0) return true;
+    const int64_t bytes = pages * pcb_;
+    const int64_t lim = limit_pages();
+    if (lim >= 0 && claimed_pages_ + pages > lim) {
+        *why = "tenant limit " + std::to_string(limit_bytes_) + " bytes holds " + std::to_string(lim) +
+               " page commits, " + std::to_string(claimed_pages_) + " claimed";
+        return false;
+    }
+    if (!ledger_) {
+        claimed_pages_ += pages;
+        return true;
+    }
+    auto admit = [&](const LedgerSnapshot& s, std::string* w) {
+        const Share sh = judge_share(s, slot_);
+        guarantee_bytes_ = sh.guarantee;
+        starving_ = sh.starving;
+        if (bytes <= sh.room) return true;
+        if (sh.starving && (claimed_pages_ * pcb_ + bytes > sh.guarantee))
+            *w = "lending: tenant '" + sh.starving_name + "' waits below its guarantee (this tenant holds " +
+                 std::to_string(claimed_pages_ * pcb_) + " bytes, guarantee " + std::to_string(sh.guarantee) + ")";
+        else
+            *w = "pool '" + ledger_->name() + "' can give this tenant " + std::to_string(sh.room) +
+                 " bytes now (waiting tenants come first) for a claim of " + std::to_string(bytes);
+        return false;
+    };
+    const bool ok = ledger_->claim(slot_, bytes, admit, why);
+    if (ok) claimed_pages_ += pages;
+    relend();
+    return ok;
+}
+
+void Budget::release(int64_t pages) {
+    if (pages <= 0) return;
+    claimed_pages_ -= pages;
+    if (ledger_) ledger_->release(slot_, pages * pcb_);
+    relend();
+}
+
+int64_t Budget::room_pages() const {
+    int64_t room = kUnlimited;
+    const int64_t lim = limit_pages();
+    if (lim >= 0) room = std::max<int64_t>(0, lim - claimed_pages_);
+    if (ledger_) room = std::min(room, judge_share(ledger_->snapshot(), slot_).room / pcb_);
+    return room;
+}
+
+namespace {
+Status set_private(int64_t bytes, int64_t revision, int64_t* value, int64_t* rev, LimitResult* result) {
+    if (revision < 0) revision = *rev + 1;
+    if (revision > kMaxRevision)
+        return Status::make(Code::Invalid, "revision must be in [0, 2**53], got " + std::to_string(revision));
+    if (revision < *rev) *result = LimitResult::Stale;
+    else if (revision == *rev) *result = *value == bytes ? LimitResult::Same : LimitResult::Conflict;
+    else {
+        *value = bytes;
+        *rev = revision;
+        *result = LimitResult::Applied;
+    }
+    return Status::ok();
+}
+}  // namespace
+
+Status Budget::set_limit(int64_t bytes, int64_t revision, LimitResult* result) {
+    if (bytes < -1) return Status::make(Code::Invalid, "limit_bytes must be >= 0, or -1 for none");
+    if (!ledger_) return set_private(bytes < 0 ? -1 : bytes, revision, &limit_bytes_, &limit_revision_, result);
+    if (revision < 0) revision = limit_revision_ + 1;
+    Status s = ledger_->set_limit(slot_, bytes, revision, result);
+    if (s.is_ok()) refresh(true);
+    return s;
+}
+
+Status Budget::set_guarantee(int64_t bytes, int64_t revision, LimitResult* result) {
+    if (bytes < -1) return Status::make(Code::Invalid, "guarantee_bytes must be >= 0, or -1 for the default share");
+    if (!ledger_) return Status::make(Code::Invalid, "a guarantee needs a pool: a private space has the whole budget");
+    if (revision < 0) revision = guarantee_revision_ + 1;
+    Status s = ledger_->set_guarantee(slot_, bytes, revision, result);
+    if (s.is_ok()) refresh(true);
+    return s;
+}
+
+void Budget::publish_want(int64_t pages) {
+    pages = std::max<int64_t>(0, pages);
+    if (pages == want_pages_) return;
+    want_pages_ = pages;
+    if (ledger_) ledger_->publish_want(slot_, pages * pcb_);
+}
+
+void Budget::report(bool limit_deferred, int32_t waiting, int64_t reserve_pages) {
+    if (ledger_) ledger_->report(slot_, limit_deferred ? 1 : 0, waiting, reserve_pages);
+}
+
+BudgetFigures Budget::figures() const {
+    BudgetFigures f;
+    f.pooled = pooled();
+    f.limit_bytes = limit_bytes_;
+    f.limit_revision = limit_revision_;
+    f.guarantee_bytes = ledger_ ? guarantee_bytes_ : 0;
+    f.guarantee_setting = guarantee_setting_;
+    f.guarantee_revision = guarantee_revision_;
+    f.claimed_bytes = claimed_pages_ * pcb_;
+    f.borrowed_bytes = ledger_ ? std::max<int64_t>(0, f.claimed_bytes - guarantee_bytes_) : 0;
+    f.want_bytes = want_pages_ * pcb_;
+    f.lending = lending_;
+    f.pool_capacity = ledger_ ? ledger_->capacity() : -1;
+    return f;
+}
+
+}  // namespace kvpool

@@ -1,0 +1,111 @@
+// A tenant's budget: the one native owner of its limit (max), guarantee
+// (min), their revisions and verdicts, its claims and its headroom — the same
+// object for pooled and private spaces. The space asks it "may I claim k
+// pages", "how many could I claim", "am I lending"; Python only forwards.
+//
+// Fair share (DESIGN.md). Every tenant has a guarantee: an explicit one, or
+// an equal share of what explicit guarantees leave, among the live tenants
+// on the default (recomputed as tenants join and leave, so N engines with no
+// settings are never worse off than an N-way static split).
+//   1. A tenant below its guarantee may always grow to it; memory other
+//      waiters further below their guarantee (or equally far, earlier) wait
+//      for is theirs first.
+//   2. While a tenant below its guarantee waits, every tenant above its own
+//      is a lender: it does not grow (its claims are refused), its allocs
+//      are refused so freed blocks do not go back to its own waiters, and
+//      its emptied pages go back to the pool at once (the space does that).
+//   3. Above their guarantees tenants borrow first-come from memory no one
+//      waits for (bytes earlier waiters want are theirs).
+//   4. Admission: nothing larger than min(limit, capacity) through the page
+//      formula is ever queued (max_pages()).
+// The verdicts are judged on a ledger snapshot at every claim; the space's
+// hot path reads the cached lending verdict, refreshed when the pool's
+// generation moves (every want appearing or going, every setting, join and
+// leave bumps it).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "ledger.hpp"
+#include "status.hpp"
+
+namespace kvpool {
+
+// The figures of a budget, as bound to Python (BudgetStats).
+struct BudgetFigures {
+    bool pooled = false;
+    int64_t limit_bytes = -1;        // in force, -1 = none
+    int64_t limit_revision = 0;
+    int64_t guarantee_bytes = 0;     // in force (explicit or the default share); 0 without a pool
+    int64_t guarantee_setting = -1;  // explicit guarantee, -1 = the default share
+    int64_t guarantee_revision = 0;
+    int64_t claimed_bytes = 0;
+    int64_t borrowed_bytes = 0;      // claimed above the guarantee
+    int64_t want_bytes = 0;          // what its waiting requests need (published)
+    bool lending = false;            // above its guarantee while a tenant below its own waits
+    int64_t pool_capacity = -1;      // -1 without a pool
+};
+
+class Budget {
+public:
+    Budget(std::shared_ptr<Ledger> ledger, int slot, int64_t page_commit_bytes, int64_t private_limit_bytes);
+
+    bool pooled() const { return ledger_ != nullptr; }
+    const std::shared_ptr<Ledger>& ledger() const { return ledger_; }
+    int slot() const { return slot_; }
+
+    // Claim before commit: `pages` more, judged by the limit, the pool and
+    // the fair-share rules in one step. On false *why says which said no.
+    bool claim(int64_t pages, std::string* why);
+    void release(int64_t pages);
+    int64_t claimed_pages() const { return claimed_pages_; }
+
+    // Pages claim() would grant now.
+    int64_t room_pages() const;
+    // Cap on committed pages from the limit in force (-1 = none).
+    int64_t limit_pages() const;
+    // The most pages this tenant can ever hold: min(limit, capacity) (-1 = no bound).
+    int64_t max_pages() const;
+    bool lending() const { return lending_; }
+
+    // Cheap: whether the pool changed since the last refresh.
+    uint32_t seen_generation() const { return seen_generation_; }
+    bool stale() const { return ledger_ && ledger_->generation() != seen_generation_; }
+    // Re-reads settings and pressure from the ledger (if its generation moved,
+    // or always with force). Returns true if the limit, the guarantee or the
+    // lending verdict changed.
+    bool refresh(bool force = false);
+
+    // Settings, revisioned (revision < 0: the next one). Private budgets keep
+    // the same rules locally.
+    Status set_limit(int64_t bytes, int64_t revision, LimitResult* result);
+    Status set_guarantee(int64_t bytes, int64_t revision, LimitResult* result);
+
+    // What waiting requests need beyond what is claimed (0: nothing waits).
+    void publish_want(int64_t pages);
+    int64_t want_pages() const { return want_pages_; }
+    void report(bool limit_deferred, int32_t waiting, int64_t reserve_pages);
+
+    BudgetFigures figures() const;
+
+private:
+    void judge(const LedgerSnapshot& s);  // updates guarantee_, starving_, lending_
+    void relend();
+
+    std::shared_ptr<Ledger> ledger_;
+    int slot_ = -1;
+    int64_t pcb_ = 1;  // bytes per page commit
+    int64_t claimed_pages_ = 0;
+    int64_t want_pages_ = 0;
+    // Settings in force (cached from the ledger, or private).
+    int64_t limit_bytes_ = -1, limit_revision_ = 0;
+    int64_t guarantee_setting_ = -1, guarantee_revision_ = 0;
+    // Verdicts of the last judgement.
+    int64_t guarantee_bytes_ = 0;
+    bool starving_ = false;  // another tenant waits below its guarantee
+    bool lending_ = false;
+    uint32_t seen_generation_ = 0;
+};
+
+}  // namespace kvpool

@@ -1,0 +1,147 @@
+"""`kvpool demo --clock virtual`: the real managers and pool on a virtual clock (issue 14).
+
+No test here reads the machine's clock: every figure asserted is virtual time,
+so the assertions hold on a quiet machine and a busy one alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import subprocess
+import sys
+import uuid
+from typing import Any
+
+import pytest
+
+from kvpool import Geometry, KVCacheManager, Pool
+from kvpool._demo_clock import VirtualClockLoop, VirtualDeadlock, run_virtual
+from kvpool._demo_traces import SHAPES
+from kvpool._demo_virtual import compare
+from kvpool.demo import options
+
+
+def _virtual(*argv: str) -> dict[str, dict[str, Any]]:
+    return run_virtual(compare(options(["--clock", "virtual", *argv])))
+
+
+def test_poll_hands_another_tenants_free_to_a_waiter_at_once() -> None:
+    # What the virtual demo relies on: no grant waits for the eventfd wake-up.
+    name = f"demo-poll-{uuid.uuid4().hex[:8]}"
+    Pool(name, capacity=4 * 4096)
+    g = Geometry(1, 1, 512, 64, page_bytes=4096)
+
+    async def main() -> None:
+        a, b = (KVCacheManager(g, pool=name, name=n, reserve=(0, 0), reserve_thread=False) for n in "ab")
+        held = a.alloc_nowait(32)  # the whole pool
+        task = asyncio.create_task(b.alloc(8))
+        while b.waiting == 0:
+            await asyncio.sleep(0)
+        a.free(held)
+        b.poll()
+        assert b.waiting == 0  # granted inside poll(), before any await
+        assert len(await task) == 8
+        await a.aclose()
+        await b.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        Pool.remove(name)
+
+
+def test_the_virtual_clock_jumps_to_each_timer_in_program_order() -> None:
+    order: list[tuple[str, float]] = []
+
+    async def sleeper(name: str, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        order.append((name, asyncio.get_running_loop().time()))
+
+    async def main() -> None:
+        # Same deadline for b and c: they wake in the order they slept.
+        await asyncio.gather(sleeper("a", 3600.0), sleeper("b", 60.0), sleeper("c", 60.0))
+
+    run_virtual(main())
+    assert order == [("b", 60.0), ("c", 60.0), ("a", 3600.0)]
+
+
+def test_a_virtual_run_where_every_task_waits_forever_raises_instead_of_hanging() -> None:
+    async def main() -> None:
+        await asyncio.Event().wait()
+
+    with pytest.raises(VirtualDeadlock, match="every task waits"):
+        run_virtual(main())
+    assert issubclass(VirtualClockLoop, asyncio.SelectorEventLoop)
+
+
+def test_the_same_seed_gives_identical_json(tmp_path: pathlib.Path) -> None:
+    argv = [sys.executable, "-m", "kvpool.cli", "demo", "--clock", "virtual", "--trace", "saturated",
+            "--seed", "7", "--plot", str(tmp_path / "demo.png"), "--json"]
+    runs = [subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=240) for _ in range(2)]
+    for out in runs:
+        assert out.returncode == 0, out.stderr
+    assert runs[0].stdout == runs[1].stdout
+    data = json.loads(runs[0].stdout)
+    assert data["clock"] == "virtual" and data["torch_threads"] == 1 and data["trace"] == "saturated"
+    assert set(data["step_model"]) >= {"prefill_s", "decode_seq_s", "kv_block_s"}
+    assert data["correctness"]["checked"] == 0 and data["correctness"]["same_requests_served"]
+    assert set(data["ratios_elastic_over_static"]) >= {"tokens_per_s", "ttft_p99", "wait"}
+    for mode in ("elastic", "static"):
+        assert data[mode]["requests"] == data["requests"]
+        assert all("ttft_p99_s" in e for e in data[mode]["engines"])
+    assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_both_modes_serve_every_request_and_static_stays_in_its_slice(shape: str) -> None:
+    res = _virtual("--trace", shape, "--seed", "1")
+    assert res["elastic"]["requests"] == res["static"]["requests"] > 0
+    assert set(res["elastic"]["outputs"]) == set(res["static"]["outputs"])
+    slice_bytes = res["static"]["slice_bytes"]
+    assert all(e["peak_committed_bytes"] <= slice_bytes for e in res["static"]["engines"])
+    assert all(e["peak_committed_bytes"] <= res["elastic"]["pool_bytes"] for e in res["elastic"]["engines"])
+
+
+def test_an_engine_borrows_beyond_its_slice_when_the_others_are_idle() -> None:
+    res = _virtual("--trace", "bursty", "--seed", "2")
+    assert max(e["peak_committed_bytes"] for e in res["elastic"]["engines"]) > res["static"]["slice_bytes"]
+
+
+def test_sixteen_engines_share_a_million_block_pool() -> None:
+    # The what-if of the issue: a GPU-sized pool, long prompts; bounded by the
+    # test timeout, not by a wall-clock assertion.
+    res = _virtual("--engines", "16", "--pool-blocks", str(1 << 20), "--prompt-scale", "256", "--burst", "60",
+                   "--duration", "600", "--compute", "per-engine")
+    el, st = res["elastic"], res["static"]
+    assert len(el["engines"]) == len(st["engines"]) == 16
+    assert el["requests"] == st["requests"] == 16 * (2 * 60 + 15)
+    assert st["wait_s"] > 0  # the slices really are contended
+    assert el["pool_bytes"] == (1 << 20) * 32 * 1024  # reported in the real engines' bytes
+
+
+def test_the_virtual_clock_runs_in_one_process_only() -> None:
+    with pytest.raises(ValueError, match="--processes"):
+        options(["--clock", "virtual", "--processes"])
+
+
+# ------------------------------------------------------------------ acceptance
+#
+# Issue 14: across 20 seeds and the three trace shapes, sharing must leave no
+# engine worse off than its static slice (TTFT p99), and must at least halve
+# the time requests wait for memory. Engines compute per engine here (each its
+# own device): with one shared device the demo's default load is bound by
+# compute, not memory (elastic's waiting is 0.8-0.97x static's whatever the
+# policy, since no memory policy shortens a queue for compute).
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_no_engine_is_worse_off_sharing_the_pool_than_with_its_static_slice(shape: str, seed: int) -> None:
+    res = _virtual("--trace", shape, "--seed", str(seed), "--compute", "per-engine")
+    el, st = res["elastic"], res["static"]
+    worse = {e["engine"]: (round(e["ttft_p99_s"], 3), round(s["ttft_p99_s"], 3))
+             for e, s in zip(el["engines"], st["engines"]) if e["ttft_p99_s"] > s["ttft_p99_s"]}
+    assert not worse, f"TTFT p99 (elastic, static) worse when sharing, by engine: {worse}"
+    assert el["wait_s"] <= 0.5 * st["wait_s"], (
+        f"time waiting for memory: elastic {el['wait_s']:.1f} s vs static {st['wait_s']:.1f} s")
