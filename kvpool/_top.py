@@ -1,28 +1,30 @@
 """What ``kvpool top`` shows: a pool snapshot and its table (torch-free).
 
-A snapshot is plain data (the JSON of ``top --once --json``); the table is
-drawn from it. Columns are a table of their own (:data:`COLUMNS`): a tenant
-field that :class:`~kvpool.pool.TenantInfo` does not have yet
-(``guarantee_bytes`` before the fair-share ledger) leaves its column out;
-adding a column is one row.
+A snapshot is plain data (the JSON of ``top --once --json``): every field of
+:class:`~kvpool.pool.TenantInfo` per tenant, read in one pass of the ledger.
+The table is drawn from it. Columns are a table of their own
+(:data:`COLUMNS`): a column whose tenant field this ledger does not have is
+left out, and adding a column is one row.
 
-Tenant names are what ``kvpool limit`` needs, so they are never cut at the
-end: when the table is wider than the terminal, names lose characters from
-the middle (``vllm-serve-a…-12345``), keeping the start and the identifying
-end, and a note says where the whole names are. Every name goes in as
-:class:`rich.text.Text`, never as markup, so a ``[`` in a name is just a
-character.
+Fitting a terminal. Tenant names are what ``kvpool limit`` needs, so they
+are never cut at the end. When the whole table is wider than the terminal:
+names lose characters from the middle (``vllm-serve-a…-12345``: the start
+and the identifying end stay), down to :data:`SOFT_NAME` characters; then
+columns are left out, least telling first (:data:`DROP_ORDER`); then names
+shrink to :data:`MIN_NAME`. A note under the table says what was shortened
+or left out, and that ``--once --json`` has everything. Every name (of a tenant
+or of the pool) goes in as :class:`rich.text.Text`, never as markup, so a
+``[`` in a name is just a character.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -31,36 +33,53 @@ from .pool import Pool, TenantInfo
 MiB = 1 << 20
 # The fields this ledger's tenants have: a column whose field is not among them is left out.
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TenantInfo))
+SOFT_NAME = 20  # names shrink to this before any column is left out
 MIN_NAME = 12  # below this a shortened name no longer says which tenant it is
 
 
 def snapshot(pool: Pool) -> dict[str, Any]:
-    """The pool's figures and live tenants, read now (dead tenants are reaped first)."""
-    tenants = pool.tenants()  # reaps first, so committed below is live-only
-    return {"pool": pool.name, "capacity": pool.capacity, "committed": pool.committed,
-            "tenants": [dataclasses.asdict(t) for t in tenants]}
+    """The pool's figures and live tenants from one read (dead tenants are reaped first)."""
+    pool.reap()
+    snap = pool.snapshot()  # committed is the sum of these very rows
+    return {"pool": pool.name, "capacity": snap.capacity, "committed": snap.committed,
+            "tenants": [dataclasses.asdict(t) for t in snap.tenants]}
 
 
 def fmt_mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MiB:.1f}"
 
 
-def _limit_status(t: dict[str, Any]) -> Text:
-    state = str(t["limit_state"])
-    return Text(state, style="" if state == "applied" else "yellow")
+def _state(t: dict[str, Any]) -> Text:
+    """What the tenant is doing about memory, when it is not simply running."""
+    words = []
+    if t.get("lending"):
+        words.append("lending")  # gives memory back: a tenant below its guarantee is waiting
+    if t.get("limit_state", "applied") != "applied":
+        words.append("deferred")  # above a new limit: no growth, pages go back as they empty
+    return Text(",".join(words) or "-", style="yellow" if words else "")
 
 
-# (header, the tenant field it needs, its cell): one row per column after TENANT.
-COLUMNS: tuple[tuple[str, str, Callable[[dict[str, Any]], str | Text]], ...] = (
-    ("PID", "pid", lambda t: str(t["pid"])),
-    ("COMMITTED", "committed_bytes", lambda t: fmt_mib(t["committed_bytes"])),
-    ("LIMIT", "limit_bytes", lambda t: fmt_mib(t["limit_bytes"])),
-    ("STATUS", "limit_state", _limit_status),  # of the limit: applied, or deferred while use is above it
-    ("GUARANTEE", "guarantee_bytes", lambda t: fmt_mib(t["guarantee_bytes"])),
-    ("BORROWED", "borrowed_bytes", lambda t: fmt_mib(t["borrowed_bytes"])),
-    ("WAITING", "waiting", lambda t: str(t["waiting"])),
-    ("IDLE PAGES", "reserve_pages", lambda t: str(t["reserve_pages"])),
+@dataclasses.dataclass(frozen=True)
+class Column:
+    header: str
+    field: str  # the tenant field it shows (the column exists only if TenantInfo has it)
+    cell: Callable[[dict[str, Any]], str | Text]
+    justify: str = "right"
+
+
+# One row per column after TENANT, in display order.
+COLUMNS: tuple[Column, ...] = (
+    Column("PID", "pid", lambda t: str(t["pid"])),
+    Column("COMMITTED", "committed_bytes", lambda t: fmt_mib(t.get("committed_bytes"))),
+    Column("GUARANTEE", "guarantee_bytes", lambda t: fmt_mib(t.get("guarantee_bytes"))),
+    Column("BORROWED", "borrowed_bytes", lambda t: fmt_mib(t.get("borrowed_bytes"))),
+    Column("LIMIT", "limit_bytes", lambda t: fmt_mib(t.get("limit_bytes"))),
+    Column("WAITING", "waiting", lambda t: str(t.get("waiting", "-"))),
+    Column("IDLE PAGES", "reserve_pages", lambda t: str(t.get("reserve_pages", "-"))),
+    Column("STATE", "limit_state", _state, justify="left"),
 )
+# Left out first when the terminal is too narrow (the rest: PID, COMMITTED, LIMIT, WAITING).
+DROP_ORDER = ("IDLE PAGES", "BORROWED", "STATE", "GUARANTEE")
 
 
 def shorten_middle(name: str, width: int) -> str:
@@ -73,37 +92,56 @@ def shorten_middle(name: str, width: int) -> str:
     return f"{name[:head]}…{name[len(name) - tail:]}"
 
 
-def _build(snap: dict[str, Any], names: list[str]) -> Table:
+def _title(snap: dict[str, Any]) -> Text:
+    """The pool line above the table (its own line: a table title would wrap at the table's width)."""
     cap, used = snap["capacity"], snap["committed"]
     pct = 100.0 * used / cap if cap else 0.0
-    table = Table(
-        title=(f"pool [bold]{escape(snap['pool'])}[/bold]: {fmt_mib(used)} / {fmt_mib(cap)} MiB committed "
-               f"({pct:.1f}%), {len(snap['tenants'])} tenants; sizes in MiB"),
-        # Two spaces between columns and none at the edges: the eight columns and a
-        # 17-character name fit 80 columns.
-        title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True,
-    )
+    return Text.assemble("pool ", (str(snap["pool"]), "bold"),
+                         f": {fmt_mib(used)} / {fmt_mib(cap)} MiB committed ({pct:.1f}%), "
+                         f"{len(snap['tenants'])} tenants; sizes in MiB")
+
+
+def _build(snap: dict[str, Any], names: Sequence[str], columns: Sequence[Column]) -> Table:
+    # Two spaces between columns and none at the edges.
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
     table.add_column("TENANT", no_wrap=True)
-    present = [c for c in COLUMNS if c[1] in _FIELDS]
-    for header, _key, _cell in present:
-        table.add_column(header, justify="left" if header == "STATUS" else "right", no_wrap=True)
+    for c in columns:
+        table.add_column(c.header, justify="left" if c.justify == "left" else "right", no_wrap=True)
     for t, name in zip(snap["tenants"], names):
-        table.add_row(Text(name), *(cell(t) for _h, _k, cell in present))
+        table.add_row(Text(name), *(c.cell(t) for c in columns))
     return table
 
 
 def render(snap: dict[str, Any], console: Console) -> RenderableType:
-    """The table for this console's width: whole names when they fit, else shortened in the middle."""
-    names = [str(t["name"]) for t in snap["tenants"]]
-    table = _build(snap, names)
-    longest = max(map(len, names), default=0)
-    natural = console.measure(table, options=console.options.update_width(1 << 16)).maximum  # unconstrained
-    excess = natural - console.width
-    if excess <= 0 or longest <= MIN_NAME:
-        return table
-    width = max(MIN_NAME, longest - excess)
-    short = [shorten_middle(n, width) for n in names]
-    if short == names:
-        return table
-    note = Text("names shortened to fit: `kvpool top --once --json` shows them whole", style="dim")
-    return Group(_build(snap, short), note)
+    """The table for this console's width (see the module's notes on fitting)."""
+    full = [str(t["name"]) for t in snap["tenants"]]
+    columns = [c for c in COLUMNS if c.field in _FIELDS]
+    longest = max(map(len, full), default=0)
+
+    def excess(names: Sequence[str], cols: Sequence[Column]) -> int:
+        table = _build(snap, names, cols)
+        natural = console.measure(table, options=console.options.update_width(1 << 16)).maximum
+        return natural - console.width
+
+    width = longest
+    over = excess(full, columns)
+    if over > 0:
+        width = max(min(longest, SOFT_NAME), longest - over)
+        drop = [h for h in DROP_ORDER if any(c.header == h for c in columns)]
+        while excess([shorten_middle(n, width) for n in full], columns) > 0 and drop:
+            gone = drop.pop(0)
+            columns = [c for c in columns if c.header != gone]
+        over = excess([shorten_middle(n, width) for n in full], columns)
+        if over > 0:
+            width = max(MIN_NAME, width - over)
+    names = [shorten_middle(n, width) for n in full]
+    parts: list[RenderableType] = [_title(snap), _build(snap, names, columns)]
+    notes = []
+    if names != full:
+        notes.append("names shortened")
+    hidden = [c.header for c in COLUMNS if c.field in _FIELDS and c not in columns]
+    if hidden:
+        notes.append(f"{', '.join(hidden)} left out")
+    if notes:
+        parts.append(Text(f"{'; '.join(notes)}: see `kvpool top --once --json`", style="dim"))
+    return Group(*parts)

@@ -15,8 +15,8 @@ Series (gauges; labels ``pool`` and, per tenant, ``tenant``)::
     kvpool_tenant_committed_bytes{pool,tenant} ... one line per row of TENANT_METRICS
 
 A tenant attribute that is ``None`` (no limit set) or that this ledger does
-not have yet (``guarantee_bytes`` before the fair-share ledger) gives no
-sample: an absent series, not a made-up zero. Adding a per-tenant figure is
+not have gives no sample: an absent series, not a made-up zero. Booleans
+(``lending``) are 0 or 1. Adding a per-tenant figure is
 one row in :data:`TENANT_METRICS`.
 """
 
@@ -50,6 +50,10 @@ TENANT_METRICS: tuple[Figure, ...] = (
            "limit_bytes"),
     Figure("kvpool_tenant_guarantee_bytes", "Memory the tenant can always get back.", "guarantee_bytes"),
     Figure("kvpool_tenant_borrowed_bytes", "Committed memory above the tenant's guarantee.", "borrowed_bytes"),
+    Figure("kvpool_tenant_wanted_bytes", "What the tenant's waiting requests need beyond what it holds.",
+           "want_bytes"),
+    Figure("kvpool_tenant_lending", "1 while the tenant gives memory back to a tenant below its guarantee.",
+           "lending"),
     Figure("kvpool_tenant_limit_revision", "Revision of the tenant's current limit.", "limit_revision"),
     Figure("kvpool_tenant_limit_deferred", "1 while the tenant's use is above its new limit.", "limit_deferred"),
     Figure("kvpool_tenant_waiting_requests", "Allocations waiting for memory.", "waiting"),
@@ -87,8 +91,9 @@ class PoolSample:
 
 def read_pool(name: str) -> PoolSample:
     pool = Pool(name, create=False)
-    tenants = pool.tenants()  # reaps dead tenants first, so committed is live-only
-    return PoolSample(name, pool.capacity, pool.committed, tenants)
+    pool.reap()  # dead tenants first, so what follows is live-only
+    snap = pool.snapshot()  # one read: committed is the sum of these very rows
+    return PoolSample(name, snap.capacity, snap.committed, snap.tenants)
 
 
 class PoolCollector(Collector):

@@ -82,9 +82,16 @@ def test_exposition_matches_the_ledger(pool_name: str, make_space: Callable[...,
     assert samples[("kvpool_pool_capacity_bytes", (("pool", pool_name),))] == CAPACITY
     assert samples[("kvpool_pool_committed_bytes", (("pool", pool_name),))] == pool.committed
     assert samples[("kvpool_pool_tenants", (("pool", pool_name),))] == 2
-    # A field this ledger does not have yet gives no series at all.
-    if "guarantee_bytes" not in {f.name for f in dataclasses.fields(TenantInfo)}:
-        assert not any(k[0] == "kvpool_tenant_guarantee_bytes" for k in samples)
+    # Fair-share figures, as the ledger states them (absent from a ledger without them).
+    fields = {f.name for f in dataclasses.fields(TenantInfo)}
+    for metric, field in (("kvpool_tenant_guarantee_bytes", "guarantee_bytes"),
+                          ("kvpool_tenant_borrowed_bytes", "borrowed_bytes"),
+                          ("kvpool_tenant_wanted_bytes", "want_bytes"), ("kvpool_tenant_lending", "lending")):
+        for name, t in ledger.items():
+            if field in fields:
+                assert samples[tenant_key(metric, pool_name, name)] == float(getattr(t, field)), metric
+            else:
+                assert tenant_key(metric, pool_name, name) not in samples
 
 
 def test_names_and_labels_follow_prometheus_conventions(pool_name: str,
