@@ -137,6 +137,9 @@ class SpaceStats:
     @property
     def budget(self) -> BudgetFigures: ...
 
+    @property
+    def backend(self) -> str: ...
+
 class TenantRow:
     """One live tenant as a ledger snapshot read it."""
 

@@ -576,6 +576,17 @@ class KVCacheManager:
         return self.space.available()
 
     @property
+    def lending(self) -> bool:
+        """Whether this tenant lends right now: it holds more than its guarantee
+        while a tenant below its own waits. Its allocs are refused until then;
+        an engine should give memory back (preempt, drop cached blocks)."""
+        if self._closed or self.space.pool is None:
+            return False
+        b = self.space.budget()
+        self._refresh_budget(b)
+        return b.lending
+
+    @property
     def waiting(self) -> int:
         return len(self._queue)
 

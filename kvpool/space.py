@@ -222,11 +222,20 @@ class KVSpace:
             raise ValueError("guarantee_bytes needs a pool: a private space has the whole budget")
         self.pool = Pool(pool, device=device) if isinstance(pool, str) else pool
         self.name = name if name is not None else f"{os.getpid()}-{next(_tenant_ids)}"
-        code, msg, space = _core.native.create_space(
-            geometry.num_regions, geometry.page_bytes, geometry.region_block_bytes, geometry.blocks,
-            null_block, lo, hi, reserve_thread, limit, guarantee, device,
-            self.pool._ledger if self.pool is not None else None, self.name,
-        )
+        try:
+            code, msg, space = _core.native.create_space(
+                geometry.num_regions, geometry.page_bytes, geometry.region_block_bytes, geometry.blocks,
+                null_block, lo, hi, reserve_thread, limit, guarantee, device,
+                self.pool._ledger if self.pool is not None else None, self.name,
+            )
+        except RuntimeError as e:
+            # The core turns a refused thread into a BackendError status
+            # itself; this catches a std::system_error escaping elsewhere
+            # (nanobind passes it on as a bare RuntimeError).
+            raise BackendError(
+                f"cannot create KV space on {device}: cannot start its threads ({e}); the process or its "
+                "pids cgroup may be out of threads"
+            ) from e
         if space is None:
             if code == _core.CODE_INVALID:
                 raise GeometryError(f"cannot create KV space on {device}: {msg}")

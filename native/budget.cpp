@@ -193,7 +193,7 @@ void Budget::publish_want(int64_t pages) {
 }
 
 void Budget::report(bool limit_deferred, int32_t waiting, int64_t reserve_pages) {
-    if (ledger_) ledger_->report(slot_, limit_deferred ? 1 : 0, waiting, reserve_pages);
+    if (ledger_) ledger_->report(slot_, limit_deferred ? 1 : 0, limit_revision_, waiting, reserve_pages);
 }
 
 BudgetFigures Budget::figures() const {

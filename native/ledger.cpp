@@ -296,9 +296,11 @@ LedgerSnapshot Ledger::snapshot() const {
             r.guarantee = t.settings.guarantee.load();
             r.guarantee_revision = t.settings.guarantee_revision.load();
         }
-        // The owner's verdict lags a limit another process just set: a row
-        // over its limit reads deferred at once (one verdict for readers).
-        if (r.limit >= 0 && r.claimed > r.limit) r.limit_state = 1;
+        // The owner's verdict lags a limit another process just set (the
+        // owner may be stopped): until it has judged this revision, readers
+        // judge from the claimed bytes (one verdict for every reader).
+        if (t.judged_revision.load(kSeq) != r.limit_revision)
+            r.limit_state = r.limit >= 0 && r.claimed > r.limit ? 1 : 0;
         s.rows.push_back(std::move(r));
     }
     return s;
@@ -363,6 +365,7 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
         t.wait_ticket.store(0);
         t.waiting.store(0);
         t.limit_state.store(0);
+        t.judged_revision.store(0);
         t.reserve_pages.store(0);
         t.lending.store(0);
         SlotSettings& st = t.settings;
@@ -507,8 +510,9 @@ void Ledger::release(int slot, int64_t bytes) {
     if (anyone_waiting(slot)) bump_generation();
 }
 
-void Ledger::report(int slot, int32_t limit_state, int32_t waiting, int64_t reserve_pages) {
+void Ledger::report(int slot, int32_t limit_state, int64_t judged_revision, int32_t waiting, int64_t reserve_pages) {
     TenantSlot& t = hdr_->tenants[slot];
+    t.judged_revision.store(judged_revision, std::memory_order_release);
     t.limit_state.store(limit_state, std::memory_order_release);
     t.waiting.store(waiting, std::memory_order_release);
     t.reserve_pages.store(reserve_pages, std::memory_order_release);

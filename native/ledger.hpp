@@ -78,6 +78,7 @@ struct TenantSlot {
     std::atomic<int64_t> reserve_pages;  // idle committed pages
     std::atomic<int32_t> lending;     // 1 while it lends to a tenant below its guarantee
     std::atomic<int32_t> pad0;
+    std::atomic<int64_t> judged_revision;  // the limit revision limit_state judged
     SlotSettings settings;
 };
 
@@ -148,7 +149,7 @@ public:
     void release(int slot, int64_t bytes);
 
     // Owner-written figures.
-    void report(int slot, int32_t limit_state, int32_t waiting, int64_t reserve_pages);
+    void report(int slot, int32_t limit_state, int64_t judged_revision, int32_t waiting, int64_t reserve_pages);
     // Publish what this tenant's waiting requests need (0: nothing waits).
     // Takes a wait ticket on the first want, drops it on 0; bumps the
     // generation when the want appears or goes (lenders react to it).

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from kvpool import Geometry, KVCacheManager, LimitState, PoolExhausted, Reservation
+from kvpool import Geometry, KVCacheManager, LimitState, PoolExhausted, RequestTooLarge, Reservation
 
 from .conftest import KiB
 
@@ -77,6 +77,12 @@ class ManagerMachine(RuleBasedStateMachine):
                     ids = await self.m.alloc(n, timeout=timeout, priority=prio)
                 except TimeoutError:
                     entry["state"] = "timeout"
+                    return
+                except RequestTooLarge:
+                    # Admission: refused at once, never queued, only when the
+                    # limit makes n impossible (issue 14).
+                    assert n > self.m.space.max_blocks()
+                    entry["state"] = "refused"
                     return
                 self.held[key] = ids.tolist()
                 entry["state"] = "granted"
@@ -138,6 +144,11 @@ class ManagerMachine(RuleBasedStateMachine):
         try:
             r = self.portal.call(lambda: self.m.reserve(n, timeout=0.0))
         except TimeoutError:
+            self._step()
+            return
+        except RequestTooLarge:
+            # Admission: refused at once only if the limit makes n impossible.
+            assert n > self.m.space.max_blocks()
             self._step()
             return
         try:
