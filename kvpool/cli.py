@@ -12,7 +12,7 @@ ledger only; no tenant process runs Python for them):
 - ``kvpool top [POOL]``: a live table of a pool's tenants (default pool:
   ``$KVPOOL_POOL``, else ``default``; ``--once`` for one snapshot, ``--once
   --json`` for a JSON object; piped, one table per interval).
-- ``kvpool limit POOL TENANT SIZE``: cap a tenant's committed bytes (``none``
+- ``kvpool limit POOL TENANT SIZE [--min SIZE]``: cap a tenant's committed bytes (``none``
   clears); prints ``applied``, ``same``, ``stale`` or ``conflict``.
 - ``kvpool metrics [POOL ...]``: the Prometheus text exposition, once, or
   served on ``/metrics`` with ``--listen HOST:PORT`` (:mod:`kvpool.metrics`).
@@ -223,11 +223,21 @@ _LIMIT_EXIT = {"applied": EXIT_OK, "same": EXIT_OK, "stale": EXIT_REFUSED, "conf
 
 def limit(args: argparse.Namespace) -> int:
     try:
-        result = open_pool(args.pool).set_limit(args.tenant, args.size, revision=args.revision)
+        pool = open_pool(args.pool)
+        result = pool.set_limit(args.tenant, args.size, revision=args.revision)
+        print(result)
+        if args.min is _UNSET:
+            return _LIMIT_EXIT[result]
+        # The guarantee has its own revisions (the next one); `none` goes
+        # back to the equal default share.
+        guarantee = pool.set_guarantee(args.tenant, args.min)
     except (LedgerError, ValueError) as e:
         return _error(e)
-    print(result)
-    return _LIMIT_EXIT[result]
+    print(f"guarantee {guarantee}")
+    return max(_LIMIT_EXIT[result], _LIMIT_EXIT[guarantee])
+
+
+_UNSET: object = object()
 
 
 def _revision(text: str) -> int:
@@ -332,6 +342,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="bytes, or with a K/M/G/KiB/MiB/GiB suffix (binary units), or 'none' to clear")
     p.add_argument("--revision", type=_revision, default=None, metavar="N",
                    help="limit revision (default: the tenant's current one + 1)")
+    p.add_argument("--min", type=parse_size, default=_UNSET, metavar="SIZE",
+                   help="also guarantee the tenant SIZE ('none': back to an equal share of the pool); "
+                        "explicit guarantees may not add up to more than the capacity")
     p.set_defaults(func=limit)
 
     p = sub.add_parser("metrics", help="Prometheus metrics of the pools (printed once, or served)")
