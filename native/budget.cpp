@@ -38,7 +38,8 @@ Share judge_share(const LedgerSnapshot& s, int slot) {
         const int64_t their_deficit = effective_guarantee(s, r) - r.claimed;
         if (their_deficit > 0) {
             out.starving = true;
-            if (out.starving_name.empty()) out.starving_name = r.name;
+            if (out.starving_name.empty())
+                out.starving_name = r.name.empty() ? "in slot " + std::to_string(r.slot) : "'" + r.name + "'";
             // Pool-wide order: furthest below guarantee first, FIFO among equals.
             if (their_deficit > deficit || (their_deficit == deficit && r.wait_ticket < my_ticket))
                 protect_within += std::min(r.want, their_deficit);
@@ -100,7 +101,7 @@ bool Budget::refresh(bool force) {
         guarantee_setting_ = g;
         guarantee_revision_ = gr;
     }
-    judge(ledger_->snapshot());
+    judge(ledger_->snapshot(false));
     return limit_bytes_ != old_limit || guarantee_bytes_ != old_g || lending_ != old_lending;
 }
 
@@ -123,7 +124,7 @@ bool Budget::claim(int64_t pages, std::string* why) {
         starving_ = sh.starving;
         if (bytes <= sh.room) return true;
         if (sh.starving && (claimed_pages_ * pcb_ + bytes > sh.guarantee))
-            *w = "lending: tenant '" + sh.starving_name + "' waits below its guarantee (this tenant holds " +
+            *w = "lending: tenant " + sh.starving_name + " waits below its guarantee (this tenant holds " +
                  std::to_string(claimed_pages_ * pcb_) + " bytes, guarantee " + std::to_string(sh.guarantee) + ")";
         else
             *w = "pool '" + ledger_->name() + "' can give this tenant " + std::to_string(sh.room) +
@@ -147,7 +148,7 @@ int64_t Budget::room_pages() const {
     int64_t room = kUnlimited;
     const int64_t lim = limit_pages();
     if (lim >= 0) room = std::max<int64_t>(0, lim - claimed_pages_);
-    if (ledger_) room = std::min(room, judge_share(ledger_->snapshot(), slot_).room / pcb_);
+    if (ledger_) room = std::min(room, judge_share(ledger_->snapshot(false), slot_).room / pcb_);
     return room;
 }
 

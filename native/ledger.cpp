@@ -266,7 +266,7 @@ bool Ledger::read_settings(int slot, int64_t* limit, int64_t* limit_rev, int64_t
     return false;
 }
 
-LedgerSnapshot Ledger::snapshot() const {
+LedgerSnapshot Ledger::snapshot(bool names) const {
     LedgerSnapshot s;
     s.capacity = hdr_->capacity;
     s.generation = generation();
@@ -279,7 +279,7 @@ LedgerSnapshot Ledger::snapshot() const {
         r.slot = i;
         r.pid = pid;
         r.visible = t.pidns.load(kSeq) == my_pidns_;
-        r.name = sanitized_name(t.name);
+        if (names) r.name = sanitized_name(t.name);
         r.claimed = std::max<int64_t>(0, t.claimed.load(kSeq));
         r.pending = std::max<int64_t>(0, t.pending.load(kSeq));
         r.want = std::max<int64_t>(0, t.want.load(kSeq));
@@ -476,7 +476,7 @@ bool Ledger::claim_once(int slot, int64_t bytes, bool (*admit)(void*, const Ledg
             stop_mid_claim_ = false;
             raise(SIGSTOP);  // test hook: stopped with the claim pending
         }
-        const LedgerSnapshot s = snapshot();
+        const LedgerSnapshot s = snapshot(false);
         const int64_t total = s.claimed_total();
         const bool fits = total <= s.capacity;
         if (fits && admit(ctx, s, why)) {

@@ -163,7 +163,9 @@ public:
     // The slot's settings (seqlock read); false if a writer kept it busy.
     bool read_settings(int slot, int64_t* limit, int64_t* limit_rev, int64_t* guarantee, int64_t* guarantee_rev) const;
 
-    LedgerSnapshot snapshot() const;
+    // names=false skips the tenant names (the budget's judgements need none:
+    // no string is built on the hot path).
+    LedgerSnapshot snapshot(bool names = true) const;
     // Reaps dead tenants of this PID namespace; returns how many.
     int reap();
     // Futex wait until the generation differs from `seen` (timeout < 0: none).
