@@ -237,6 +237,8 @@ class KVSpace:
                 "pids cgroup may be out of threads"
             ) from e
         if space is None:
+            if code == _core.CODE_INVALID and msg.startswith("guarantee_bytes="):
+                raise ValueError(msg)
             if code == _core.CODE_INVALID:
                 raise GeometryError(f"cannot create KV space on {device}: {msg}")
             # A shortage here is the null block's page not fitting: 1 block asked.

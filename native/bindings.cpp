@@ -391,7 +391,11 @@ NB_MODULE(_native, m) {
                 int slot = -1;
                 if (backend && ledger) {
                     st = ledger->register_tenant(tenant, limit_bytes, guarantee_bytes, &slot);
-                    if (!st.is_ok()) st.code = Code::Ledger;  // the pool refused the tenant
+                    // The pool refused the tenant (a name taken, no slot):
+                    // a LedgerError; a guarantee that cannot fit stays
+                    // Invalid (a ValueError, as Pool.set_guarantee raises).
+                    if (!st.is_ok() && !(st.code == Code::Invalid && st.message.rfind("guarantee_bytes=", 0) == 0))
+                        st.code = Code::Ledger;
                 }
                 // Space::create owns the slot from here: on failure it has
                 // unregistered it already. Never unregister it again here:

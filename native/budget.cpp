@@ -148,7 +148,14 @@ int64_t Budget::room_pages() const {
     int64_t room = kUnlimited;
     const int64_t lim = limit_pages();
     if (lim >= 0) room = std::max<int64_t>(0, lim - claimed_pages_);
-    if (ledger_) room = std::min(room, judge_share(ledger_->snapshot(false), slot_).room / pcb_);
+    if (ledger_) {
+        // Nobody waits anywhere: the rules reduce to the pool's free bytes.
+        int64_t free_bytes = 0;
+        const int64_t pool_room = ledger_->quiet_free_bytes(slot_, &free_bytes)
+                                      ? std::max<int64_t>(0, free_bytes)
+                                      : judge_share(ledger_->snapshot(false), slot_).room;
+        room = std::min(room, pool_room / pcb_);
+    }
     return room;
 }
 

@@ -379,6 +379,22 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
         st.guarantee_revision.store(0);
         st.seq.store(seq, std::memory_order_release);
         t.live.store(1, kSeq);
+        if (guarantee_bytes >= 0) {
+            // Two tenants registering at once could both pass the check
+            // above: re-check now that this one is published (SC: of two
+            // racers at least one sees the other) and withdraw if over.
+            int64_t sum = 0;
+            for (const auto& r : snapshot(false).rows)
+                if (r.guarantee >= 0) sum += r.guarantee;
+            if (sum > hdr_->capacity) {
+                t.live.store(0, kSeq);
+                t.pid.store(0, kSeq);
+                return Status::make(Code::Invalid, "guarantee_bytes=" + std::to_string(guarantee_bytes) +
+                                                       " does not fit pool '" + name_ + "': explicit guarantees "
+                                                       "would hold " + std::to_string(sum) + " of its " +
+                                                       std::to_string(hdr_->capacity) + " bytes");
+            }
+        }
         bool twin = false;
         for (int i = 0; i < kMaxTenants; ++i) {
             if (i == mine) continue;
@@ -505,9 +521,24 @@ bool Ledger::claim_once(int slot, int64_t bytes, bool (*admit)(void*, const Ledg
 
 void Ledger::release(int slot, int64_t bytes) {
     if (bytes <= 0) return;
-    hdr_->tenants[slot].claimed.fetch_sub(bytes, kSeq);
-    // Wake other processes only if someone there waits for budget.
-    if (anyone_waiting(slot)) bump_generation();
+    TenantSlot& me = hdr_->tenants[slot];
+    me.claimed.fetch_sub(bytes, kSeq);
+    // Wake other processes only if someone waits for budget: another tenant,
+    // or this one (a waiter freeing its way below its guarantee makes the
+    // borrowers lenders: they must look again).
+    if (me.want.load(kSeq) > 0 || anyone_waiting(slot)) bump_generation();
+}
+
+bool Ledger::quiet_free_bytes(int slot, int64_t* free_bytes) const {
+    int64_t used = 0;
+    for (int i = 0; i < kMaxTenants; ++i) {
+        const TenantSlot& t = hdr_->tenants[i];
+        if (t.pid.load(kSeq) <= 0 || t.live.load(kSeq) != 1) continue;
+        if (i != slot && t.want.load(kSeq) > 0) return false;
+        used += std::max<int64_t>(0, t.claimed.load(kSeq)) + (i == slot ? 0 : std::max<int64_t>(0, t.pending.load(kSeq)));
+    }
+    *free_bytes = hdr_->capacity - used;
+    return true;
 }
 
 void Ledger::report(int slot, int32_t limit_state, int64_t judged_revision, int32_t waiting, int64_t reserve_pages) {

@@ -171,6 +171,11 @@ public:
     // Futex wait until the generation differs from `seen` (timeout < 0: none).
     void wait_generation(uint32_t seen, double timeout_s) const;
     void bump_generation();  // and wake every waiter, in every process
+    // When no other tenant wants memory (no waiter anywhere, the common
+    // case): *free_bytes = capacity minus every claim but `slot`'s pending
+    // one, and true. False if someone waits (then the fair-share rules need
+    // a full snapshot). One pass, no settings read, no strings.
+    bool quiet_free_bytes(int slot, int64_t* free_bytes) const;
     // Whether any tenant other than `slot` has requests waiting.
     bool anyone_waiting(int slot) const;
 
