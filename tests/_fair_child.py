@@ -17,10 +17,14 @@ The counter file (``CTL``, 8-byte little-endian words named in ``WORDS``)
 is shared with the test: the test sets ``mode`` (run freely, step on
 ``token``, stop); the child counts its frees, allocs and refusals there.
 
-``python _fair_child.py hold POOL NAME CTL N [GUARANTEE]`` — a tenant that
-allocates N blocks (as many as it can get, retrying while refused), says
-``held`` in the file and sleeps until killed: the stateful test's victim
-of SIGKILL.
+``python _fair_child.py factory`` — forks tenants on demand for the
+stateful test's SIGKILL rule, so each costs a fork, not an interpreter and
+a torch import. It reads ``hold POOL NAME N`` lines on stdin; each forks a
+child (from this single-threaded process: safe) that joins POOL as NAME,
+allocates up to N blocks, prints ``held NAME PID K`` (or ``error NAME
+why``) and sleeps until killed. Children die with the factory
+(PR_SET_PDEATHSIG), and the factory exits when its stdin closes; SIGCHLD is
+ignored so the kernel reaps killed children at once.
 """
 
 from __future__ import annotations
@@ -149,30 +153,50 @@ def churn(pool_name: str, name: str, ctl_path: str) -> None:
     space.close()
 
 
-def hold(pool_name: str, name: str, ctl_path: str, n: int, guarantee: int | None) -> None:
-    ctl = Ctl(ctl_path)
-    space = KVSpace(GEOMETRY, pool=Pool(pool_name, create=False), name=name, reserve_thread=False,
-                    reserve=(0, 0), guarantee_bytes=guarantee)
-    got = 0
-    while got < n:
-        try:
-            space.alloc(1)
-            got += 1
-        except PoolExhausted:
-            break
-    ctl["held"] = got
-    ctl["phase"] = HOLDING
+def _hold(pool_name: str, name: str, n: int) -> None:
+    """A forked tenant: hold up to n blocks, never call again (an idle or hung engine)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the factory
+    try:
+        space = KVSpace(GEOMETRY, pool=Pool(pool_name, create=False), name=name, reserve_thread=False,
+                        reserve=(0, 0))
+        got = 0
+        while got < n:
+            try:
+                space.alloc(1)
+                got += 1
+            except PoolExhausted:
+                break
+    except Exception as e:  # noqa: BLE001 - reported to the test, which judges it
+        print(f"error {name} {type(e).__name__}: {e}", flush=True)
+        os._exit(1)
+    print(f"held {name} {os.getpid()} {got}", flush=True)
     while True:
         time.sleep(60)
+
+
+def factory() -> None:
+    import signal
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps killed children
+    for line in sys.stdin:
+        cmd, pool_name, name, n = line.split()
+        assert cmd == "hold"
+        if os.fork() == 0:
+            try:
+                _hold(pool_name, name, int(n))
+            finally:
+                os._exit(0)
 
 
 def main() -> None:
     role = sys.argv[1]
     if role == "churn":
         churn(sys.argv[2], sys.argv[3], sys.argv[4])
-    elif role == "hold":
-        g = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] != "-" else None
-        hold(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), g)
+    elif role == "factory":
+        factory()
     else:
         raise SystemExit(f"unknown role {role!r}")
 

@@ -476,3 +476,41 @@ async def test_a_manager_guarantee_above_the_capacity_is_refused(pool_name: str)
     with pytest.raises(ValueError):
         async with KVCacheManager(G, pool=None, name="p") as p:
             p.set_guarantee(PCB)
+
+
+# =============================================================================
+# 4. Bugs found while writing these tests (xfail(strict=True): the branch stays
+#    green; a fix turns them into failures that ask for the marker's removal).
+# =============================================================================
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: a tenant that waits while at/above its guarantee and then drops below it by its own frees does not "
+    "wake the pool: Ledger::release bumps the generation only if *another* tenant waits (anyone_waiting(slot) "
+    "skips the releaser) and Ledger::publish_want only on a 0 <-> non-0 change, so every borrower keeps its "
+    "cached lending=False (Budget::refresh runs only when the generation moved) and re-allocs on its partly "
+    "used pages while the waiter stays below its guarantee"))
+def test_a_borrower_lends_as_soon_as_a_waiting_tenant_drops_below_its_guarantee(pool_name: str) -> None:
+    pool = Pool(pool_name, capacity=POOL_PAGES * PCB)
+    w = _space(pool, "w", guarantee_bytes=4 * PCB)
+    lender = _space(pool, "l", guarantee_bytes=2 * PCB)  # 2 pages nobody is guaranteed: both may borrow
+    try:
+        w_ids = w.alloc(5 * BPP)       # borrows 1 page
+        l_ids = lender.alloc(3 * BPP)  # borrows 1 page; the pool is full
+        with pytest.raises(PoolExhausted):
+            w.alloc(3 * BPP)
+        w.report_waiting(1)  # its manager queued the request; w is above its guarantee: nobody lends yet
+        assert not lender.budget().lending  # l has taken this news
+        w.free(w_ids[: 2 * BPP])  # 2 pages go back: w holds 3 pages, below its guarantee of 4, still waiting
+        with pytest.raises(PoolExhausted):
+            w.alloc(3 * BPP)  # its manager's dispatch: 2 pages free, 3 wanted
+        row = {t.name: t for t in pool.snapshot().tenants}["w"]
+        assert row.want_bytes > 0 and row.committed_bytes < row.guarantee_bytes
+        # l borrows (3 pages > 2) while w waits below its guarantee: l lends.
+        assert lender.budget().lending
+        lender.free(l_ids[:1])
+        with pytest.raises(PoolExhausted):
+            lender.alloc(1)  # a lender's re-alloc is refused
+    finally:
+        w.close()
+        lender.close()
