@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""The fair-share policy's cost (issue 14), one run, one machine.
+
+Every figure is printed next to a baseline measured in the same run.
+
+Figures
+-------
+1. **Round trip** (``roundtrip``): ``alloc(n)`` + ``free(ids)`` of one
+   :class:`kvpool.KVSpace` for n = 1 and 16, pages kept committed
+   (``reserve=(0, big)``, no reserve thread; the script checks that no page is
+   committed or released while it times). Three setups: a private space (no
+   pool: the budget has no ledger, so no policy is judged), the same space as
+   the only tenant of a pool, and as one of 8 tenants (7 idle spaces in this
+   process, each holding one page). The pooled paths read the ledger to judge
+   the fair-share rules (the space's ``available`` after each call). Ratios:
+   pooled / private, the issue's budget for the policy being <= 1.1x the
+   no-policy path (the old code is not built here: the private space is the
+   no-ledger baseline), and 8 tenants / 1 tenant.
+
+2. **Reclaim** (``reclaim``): two processes. Tenant A (a child process, no
+   reserve) borrows the whole pool; tenant B (this process, a
+   :class:`kvpool.KVCacheManager` below its guarantee) waits in
+   ``await alloc(4)`` (one page). A frees the blocks of one page; it stamps
+   ``time.monotonic_ns()`` (one clock for every process) right before the free
+   that empties the page, which goes back to the pool at once because A lends;
+   B stamps when its ``alloc`` returns. The path: A's release -> ledger
+   generation futex -> B's watcher thread -> eventfd -> event loop -> grant.
+   Baseline, same run, same processes: B with a guarantee of 0 (what every
+   tenant was before issue 14): A is no lender, the same free releases the
+   same page (no reserve), B is granted as a borrower. p50/p99 in µs over
+   200 rounds each, and the ratio policy / baseline.
+
+Usage: ``python scripts/bench_policy.py [--quick] [--json PATH]``
+(``--child POOL`` is tenant A, started by the script itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from _benchlib import (
+    BIG_RESERVE,
+    KiB,
+    MiB,
+    geo_info,
+    machine_info,
+    no_page_syscalls,
+    parse_args,
+    ratio,
+    repeat_ns,
+    roundtrip_loop,
+    utc_now,
+    write_json,
+)
+
+from kvpool import Geometry, KVCacheManager, KVSpace, Pool, PoolExhausted
+
+# Round trip: 16 blocks a page, 2 regions.
+RT_GEOMETRY = Geometry(1, 2, 4 * KiB, 4096, page_bytes=64 * KiB)
+RT_SIZES = (1, 16)
+OTHER_TENANTS = 7
+
+# Reclaim: 4 blocks a page, a pool of 8 page commits (32 blocks).
+RC_GEOMETRY = Geometry(1, 2, 4 * KiB, 256, page_bytes=16 * KiB)
+RC_BPP = 4
+RC_POOL_PAGES = 8
+
+
+# ------------------------------------------------------------- round trip
+
+
+def _time_roundtrip(space: KVSpace, n: int, repeats: int, target_s: float) -> dict[str, Any]:
+    space.free(space.alloc(n))  # commit the pages once; they stay (big reserve)
+    with no_page_syscalls(space, f"round trip n={n}"):
+        return repeat_ns(roundtrip_loop(space.alloc, space.free, n), repeats, target_s, max_iters=1 << 22)
+
+
+def roundtrip(repeats: int, target_s: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    name = f"bench-policy-{uuid.uuid4().hex[:8]}"
+    pool = Pool(name, capacity=64 * MiB)
+    try:
+        setups = ("private", "pooled_1_tenant", f"pooled_{OTHER_TENANTS + 1}_tenants")
+        for setup in setups:
+            others: list[KVSpace] = []
+            kw: dict[str, Any] = {"pool": None} if setup == "private" else {"pool": pool, "name": "timed"}
+            if setup.startswith(f"pooled_{OTHER_TENANTS + 1}"):
+                for i in range(OTHER_TENANTS):
+                    o = KVSpace(RT_GEOMETRY, pool=pool, name=f"idle{i}", reserve=(0, 0), reserve_thread=False)
+                    o.alloc(16)  # one page each: live rows in every snapshot
+                    others.append(o)
+            try:
+                with KVSpace(RT_GEOMETRY, reserve=(0, BIG_RESERVE), reserve_thread=False, **kw) as space:
+                    if space.pool is not None:
+                        assert not space.budget().lending
+                    out[setup] = {f"n={n}": _time_roundtrip(space, n, repeats, target_s) for n in RT_SIZES}
+            finally:
+                for o in others:
+                    o.close()
+    finally:
+        Pool.remove(name)
+    base = out["private"]
+    out["ratios"] = {
+        setup: {k: ratio(out[setup][k]["median_ns"], base[k]["median_ns"]) for k in base}
+        for setup in out if setup != "private"
+    }
+    one, many = out["pooled_1_tenant"], out[f"pooled_{OTHER_TENANTS + 1}_tenants"]
+    out["ratios"]["tenants_8_over_1"] = {k: ratio(many[k]["median_ns"], one[k]["median_ns"]) for k in one}
+    return out
+
+
+# ---------------------------------------------------------------- reclaim
+
+
+def child_main(pool_name: str) -> None:
+    """Tenant A: ``fill`` borrows the whole pool; ``give`` empties the page of its lowest blocks."""
+    g = RC_GEOMETRY
+    space = KVSpace(g, pool=Pool(pool_name, create=False), name="A", reserve=(0, 0), reserve_thread=False)
+    held: list[int] = []
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "fill":
+            while True:
+                try:
+                    held.append(int(space.alloc(1)[0]))
+                except PoolExhausted:
+                    break
+            print(f"full {len(held)}", flush=True)
+        elif cmd == "give":
+            held.sort()
+            page = g.page_of(held[0])
+            blocks = [b for b in held if g.page_of(b) == page]
+            if len(blocks) > 1:
+                space.free(blocks[:-1])  # the page is not empty yet: nothing goes back
+            t = time.monotonic_ns()
+            space.free(blocks[-1:])      # empties it: back to the pool at once
+            held = [b for b in held if g.page_of(b) != page]
+            print(t, flush=True)
+    space.close()
+
+
+async def _rounds(pool: Pool, child: subprocess.Popen[str], guarantee: int | None, rounds: int) -> list[float]:
+    assert child.stdin is not None and child.stdout is not None
+    lat: list[float] = []
+    async with KVCacheManager(RC_GEOMETRY, pool=pool, name=f"B{guarantee}", reserve=(0, 0), reserve_thread=False,
+                              guarantee_bytes=guarantee) as m:
+        for _ in range(rounds):
+            child.stdin.write("fill\n")
+            child.stdin.flush()
+            full = child.stdout.readline().split()
+            assert full[0] == "full" and int(full[1]) == RC_POOL_PAGES * RC_BPP, full
+            task = asyncio.create_task(m.alloc(RC_BPP))
+            while m.waiting != 1:
+                await asyncio.sleep(0)
+            child.stdin.write("give\n")
+            child.stdin.flush()
+            ids = await task
+            t_grant = time.monotonic_ns()
+            t_free = int(await asyncio.to_thread(child.stdout.readline))
+            lat.append((t_grant - t_free) / 1e3)
+            m.free(ids)  # no reserve: B's page goes back, A refills it next round
+        if guarantee is None:
+            assert m.stats().granted_after_wait == rounds
+    return lat
+
+
+def _pcts(xs: list[float]) -> dict[str, Any]:
+    a = np.array(xs)
+    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "raw": xs}
+
+
+def reclaim(rounds: int) -> dict[str, Any]:
+    name = f"bench-policy-{uuid.uuid4().hex[:8]}"
+    pool = Pool(name, capacity=RC_POOL_PAGES * RC_GEOMETRY.page_commit_bytes)
+    child = subprocess.Popen([sys.executable, __file__, "--child", name], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd="/tmp")
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        # Interleaved halves so that load drifts hit both alike.
+        policy: list[float] = []
+        plain: list[float] = []
+        for _ in range(2):
+            policy += asyncio.run(_rounds(pool, child, None, rounds // 2))  # B below its guarantee: A lends
+            plain += asyncio.run(_rounds(pool, child, 0, rounds // 2))      # no guarantee: A just frees
+    finally:
+        if child.stdin is not None:
+            child.stdin.close()
+        child.wait(timeout=60)
+        if child.stdout is not None:
+            child.stdout.close()
+        Pool.remove(name)
+    res = {"rounds": rounds, "lend_reclaim_us": _pcts(policy), "no_guarantee_us": _pcts(plain)}
+    res["ratio_p50"] = ratio(res["lend_reclaim_us"]["p50"], res["no_guarantee_us"]["p50"])
+    res["ratio_p99"] = ratio(res["lend_reclaim_us"]["p99"], res["no_guarantee_us"]["p99"])
+    return res
+
+
+# ------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        child_main(argv[1])
+        return 0
+    args = parse_args(__doc__, "bench-policy.json", argv)
+    repeats, target_s = (3, 0.05) if args.quick else (7, 0.3)
+    rounds = 40 if args.quick else 200
+    rt = roundtrip(repeats, target_s)
+    rc = reclaim(rounds)
+    res: dict[str, Any] = {
+        "when": utc_now(),
+        "machine": machine_info(),
+        "quick": args.quick,
+        "roundtrip": {"geometry": geo_info(RT_GEOMETRY), **rt},
+        "reclaim": {"geometry": geo_info(RC_GEOMETRY), "pool_pages": RC_POOL_PAGES, **rc},
+    }
+    print(f"kvpool policy bench ({'quick' if args.quick else 'full'})")
+    print("  alloc(n) + free round trip, ns per call (median)")
+    setups = [s for s in rt if s != "ratios"]
+    print(f"  {'setup':<20}" + "".join(f"{'n=' + str(n):>10}{'ratio':>8}" for n in RT_SIZES))
+    for s in setups:
+        cells = ""
+        for n in RT_SIZES:
+            k = f"n={n}"
+            r = 1.0 if s == "private" else rt["ratios"][s][k]
+            cells += f"{rt[s][k]['median_ns']:10.0f}{r:8.2f}"
+        print(f"  {s:<20}{cells}")
+    print("  ratio 8 tenants / 1 tenant: " + ", ".join(
+        f"n={n} {rt['ratios']['tenants_8_over_1'][f'n={n}']:.2f}x" for n in RT_SIZES))
+    print(f"  cross-process reclaim, {rounds} rounds: B's grant after A's free that empties its page")
+    print(f"  {'path':<44} {'p50 us':>9} {'p99 us':>9}")
+    print(f"  {'no guarantee (A frees, B borrows)':<44} {rc['no_guarantee_us']['p50']:9.1f} "
+          f"{rc['no_guarantee_us']['p99']:9.1f}")
+    print(f"  {'lend + reclaim (B below its guarantee)':<44} {rc['lend_reclaim_us']['p50']:9.1f} "
+          f"{rc['lend_reclaim_us']['p99']:9.1f}")
+    print(f"  ratio policy / no guarantee: p50 {rc['ratio_p50']:.2f}x, p99 {rc['ratio_p99']:.2f}x")
+    write_json(res, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
