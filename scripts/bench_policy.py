@@ -15,7 +15,9 @@ Figures
    the fair-share rules (the space's ``available`` after each call). Ratios:
    pooled / private, the issue's budget for the policy being <= 1.1x the
    no-policy path (the old code is not built here: the private space is the
-   no-ledger baseline), and 8 tenants / 1 tenant.
+   no-ledger baseline), and 8 tenants / 1 tenant. The three spaces live at
+   once and their timed loops are interleaved repeat by repeat, so that a
+   load change on a shared machine hits all of them alike.
 
 2. **Reclaim** (``reclaim``): two processes. Tenant A (a child process, no
    reserve) borrows the whole pool; tenant B (this process, a
@@ -37,6 +39,8 @@ Usage: ``python scripts/bench_policy.py [--quick] [--json PATH]``
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import statistics
 import subprocess
 import sys
 import time
@@ -46,14 +50,16 @@ from typing import Any
 import numpy as np
 from _benchlib import (
     BIG_RESERVE,
+    calibrate,
     KiB,
     MiB,
     geo_info,
+    loop_ns,
     machine_info,
+    no_gc,
     no_page_syscalls,
     parse_args,
     ratio,
-    repeat_ns,
     roundtrip_loop,
     utc_now,
     write_json,
@@ -75,42 +81,54 @@ RC_POOL_PAGES = 8
 # ------------------------------------------------------------- round trip
 
 
-def _time_roundtrip(space: KVSpace, n: int, repeats: int, target_s: float) -> dict[str, Any]:
-    space.free(space.alloc(n))  # commit the pages once; they stay (big reserve)
-    with no_page_syscalls(space, f"round trip n={n}"):
-        return repeat_ns(roundtrip_loop(space.alloc, space.free, n), repeats, target_s, max_iters=1 << 22)
-
-
 def roundtrip(repeats: int, target_s: float) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    name = f"bench-policy-{uuid.uuid4().hex[:8]}"
-    pool = Pool(name, capacity=64 * MiB)
+    """The three setups alive at once, their repeats interleaved so that load drifts hit all alike."""
+    setups = ("private", "pooled_1_tenant", f"pooled_{OTHER_TENANTS + 1}_tenants")
+    names = [f"bench-policy-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    pool1, pool8 = (Pool(n, capacity=64 * MiB) for n in names)
+    spaces: dict[str, KVSpace] = {}
+    idle: list[KVSpace] = []
     try:
-        setups = ("private", "pooled_1_tenant", f"pooled_{OTHER_TENANTS + 1}_tenants")
-        for setup in setups:
-            others: list[KVSpace] = []
-            kw: dict[str, Any] = {"pool": None} if setup == "private" else {"pool": pool, "name": "timed"}
-            if setup.startswith(f"pooled_{OTHER_TENANTS + 1}"):
-                for i in range(OTHER_TENANTS):
-                    o = KVSpace(RT_GEOMETRY, pool=pool, name=f"idle{i}", reserve=(0, 0), reserve_thread=False)
-                    o.alloc(16)  # one page each: live rows in every snapshot
-                    others.append(o)
-            try:
-                with KVSpace(RT_GEOMETRY, reserve=(0, BIG_RESERVE), reserve_thread=False, **kw) as space:
-                    if space.pool is not None:
-                        assert not space.budget().lending
-                    out[setup] = {f"n={n}": _time_roundtrip(space, n, repeats, target_s) for n in RT_SIZES}
-            finally:
-                for o in others:
-                    o.close()
+        for i in range(OTHER_TENANTS):
+            o = KVSpace(RT_GEOMETRY, pool=pool8, name=f"idle{i}", reserve=(0, 0), reserve_thread=False)
+            o.alloc(16)  # one page each: live rows in every ledger snapshot
+            idle.append(o)
+        for setup, pool in zip(setups, (None, pool1, pool8)):
+            spaces[setup] = KVSpace(RT_GEOMETRY, reserve=(0, BIG_RESERVE), reserve_thread=False, pool=pool,
+                                    name="timed")
+        out: dict[str, Any] = {s: {} for s in setups}
+        for n in RT_SIZES:
+            bodies = {}
+            for setup, space in spaces.items():
+                space.free(space.alloc(n))  # commit the pages once; they stay (big reserve)
+                if space.pool is not None:
+                    assert not space.budget().lending
+                bodies[setup] = roundtrip_loop(space.alloc, space.free, n)
+            with contextlib.ExitStack() as checks, no_gc():
+                for setup, space in spaces.items():
+                    checks.enter_context(no_page_syscalls(space, f"{setup} round trip n={n}"))
+                iters = {}
+                for setup, body in bodies.items():
+                    body(16)  # warm-up
+                    iters[setup] = calibrate(body, target_s, max_iters=1 << 22)
+                runs: dict[str, list[float]] = {s: [] for s in setups}
+                for _ in range(repeats):
+                    for setup, body in bodies.items():
+                        runs[setup].append(loop_ns(body, iters[setup]))
+            for setup in setups:
+                out[setup][f"n={n}"] = {"median_ns": statistics.median(runs[setup]), "min_ns": min(runs[setup]),
+                                        "runs_ns": runs[setup], "iters": iters[setup]}
     finally:
-        Pool.remove(name)
+        for sp in [*spaces.values(), *idle]:
+            sp.close()
+        for n in names:
+            Pool.remove(n)
     base = out["private"]
     out["ratios"] = {
         setup: {k: ratio(out[setup][k]["median_ns"], base[k]["median_ns"]) for k in base}
-        for setup in out if setup != "private"
+        for setup in setups[1:]
     }
-    one, many = out["pooled_1_tenant"], out[f"pooled_{OTHER_TENANTS + 1}_tenants"]
+    one, many = out[setups[1]], out[setups[2]]
     out["ratios"]["tenants_8_over_1"] = {k: ratio(many[k]["median_ns"], one[k]["median_ns"]) for k in one}
     return out
 
@@ -211,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         child_main(argv[1])
         return 0
     args = parse_args(__doc__, "bench-policy.json", argv)
-    repeats, target_s = (3, 0.05) if args.quick else (7, 0.3)
+    repeats, target_s = (3, 0.05) if args.quick else (11, 0.2)
     rounds = 40 if args.quick else 200
     rt = roundtrip(repeats, target_s)
     rc = reclaim(rounds)
