@@ -22,6 +22,7 @@ which is what its watcher or its next call does):
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import pathlib
@@ -35,6 +36,7 @@ from typing import IO
 
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis import event as _hypothesis_event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
@@ -49,6 +51,12 @@ CAP_PAGES = 8
 CAP = CAP_PAGES * PCB
 MAX_TENANTS = 5
 GUARD_S = 240  # hang guard for a child's answer (only turns a hang into a message)
+SEEN: collections.Counter[str] = collections.Counter()  # what the run reached (printed with -s)
+
+
+def event(what: str) -> None:
+    SEEN[what] += 1
+    _hypothesis_event(what)
 
 
 @dataclass
@@ -134,13 +142,21 @@ class BudgetMachine(RuleBasedStateMachine):
             t.ceiling = max(limit, min(t.ceiling, t.space.stats().committed_bytes))
 
     def _retry(self, t: Tenant) -> bool:
-        """A manager's dispatch: try the waiting request again; True if granted."""
+        """A manager's dispatch: try the waiting request again; True if granted.
+
+        Every retry also checks the promise: a waiter below its guarantee whose
+        request the pool's free memory covers is granted."""
+        covered = self._covered(t)
+        if covered:
+            event("a waiter below its guarantee was covered by free memory")
         try:
             ids = t.space.alloc(t.waiting)
         except RequestTooLarge:
+            assert not covered, covered
             self._stop_waiting(t)  # the manager fails such a waiter (a lowered limit)
             return False
         except PoolExhausted:
+            assert not covered, covered
             return False
         t.held.extend(ids.tolist())
         self._stop_waiting(t)
@@ -213,8 +229,13 @@ class BudgetMachine(RuleBasedStateMachine):
         if picked is None or not picked[1].held:
             return
         _, t = picked
-        k = data.draw(st.integers(1, len(t.held)))
-        idx = sorted(data.draw(st.sets(st.integers(0, len(t.held) - 1), min_size=k, max_size=k)))
+        if data.draw(st.booleans()):
+            # Every block of one page: the page empties (lenders give such pages back).
+            page = G.page_of(data.draw(st.sampled_from(t.held)))
+            idx = [i for i, blk in enumerate(t.held) if G.page_of(blk) == page]
+        else:
+            k = data.draw(st.integers(1, len(t.held)))
+            idx = sorted(data.draw(st.sets(st.integers(0, len(t.held) - 1), min_size=k, max_size=k)))
         t.space.free([t.held[i] for i in idx])
         t.held = [b for i, b in enumerate(t.held) if i not in set(idx)]
         self._shrink_ceiling(t)
@@ -294,6 +315,7 @@ class BudgetMachine(RuleBasedStateMachine):
             return
         name = data.draw(st.sampled_from(sorted(self.children)))
         self._kill(self.children.pop(name))
+        event("a child tenant was SIGKILLed")
         # Its budget comes back to whoever looks (here: tenants() reaps).
         assert name not in {t.name for t in self.pool.tenants()}
 
@@ -327,31 +349,34 @@ class BudgetMachine(RuleBasedStateMachine):
             starving = [r.name for r in snap.tenants
                         if r.name != name and r.want_bytes > 0 and r.committed_bytes < r.guarantee_bytes]
             if starving and b.claimed_bytes > b.guarantee_bytes:
+                event("a borrower lends to a tenant below its guarantee")
                 assert b.lending, f"{name} borrows ({b.claimed_bytes} > {b.guarantee_bytes}) while {starving} wait"
             if b.lending:
                 assert s.pages_reserve == 0, f"{name} lends but keeps {s.pages_reserve} idle pages"
 
     def _serve(self) -> None:
-        for name, t in sorted(self.tenants.items()):
-            if not t.waiting:
-                continue
-            snap = self.pool.snapshot()
-            s = t.space.stats()
-            b = s.budget
-            usable = s.pages_active * BPP - s.used_blocks + s.pages_reserve * BPP
-            need = max(0, -(-(t.waiting - usable) // BPP))  # pages to commit
-            ahead = sum(min(r.want_bytes, r.guarantee_bytes - r.committed_bytes) for r in snap.tenants
-                        if r.name != name and r.want_bytes > 0 and r.committed_bytes < r.guarantee_bytes)
-            fits_limit = b.limit_bytes is None or (s.pages_active + s.pages_reserve + need) * PCB <= b.limit_bytes
-            covered = (b.claimed_bytes < b.guarantee_bytes and b.claimed_bytes + need * PCB <= b.guarantee_bytes
-                       and need * PCB + ahead <= snap.capacity - snap.committed and fits_limit
-                       and t.waiting <= s.max_blocks)
-            granted = self._retry(t)
-            assert granted or not covered, (
-                f"{name} waits below its guarantee ({b.claimed_bytes} < {b.guarantee_bytes}) for {t.waiting} blocks "
-                f"({need} pages) and the pool has {snap.capacity - snap.committed} bytes free "
-                f"({ahead} wanted by others below theirs), yet its alloc was refused")
+        for _, t in sorted(self.tenants.items()):
+            if t.waiting:
+                self._retry(t)
 
+    def _covered(self, t: Tenant) -> str:
+        """Why t's waiting request must be granted now ("" if the rules do not promise it)."""
+        name = t.space.name
+        snap = self.pool.snapshot()
+        s = t.space.stats()
+        b = s.budget
+        usable = s.pages_active * BPP - s.used_blocks + s.pages_reserve * BPP
+        need = max(0, -(-(t.waiting - usable) // BPP))  # pages to commit
+        ahead = sum(min(r.want_bytes, r.guarantee_bytes - r.committed_bytes) for r in snap.tenants
+                    if r.name != name and r.want_bytes > 0 and r.committed_bytes < r.guarantee_bytes)
+        fits_limit = b.limit_bytes is None or (s.pages_active + s.pages_reserve + need) * PCB <= b.limit_bytes
+        free = snap.capacity - snap.committed
+        if (b.claimed_bytes < b.guarantee_bytes and b.claimed_bytes + need * PCB <= b.guarantee_bytes
+                and need * PCB + ahead <= free and fits_limit and t.waiting <= s.max_blocks):
+            return (f"{name} waits below its guarantee ({b.claimed_bytes} < {b.guarantee_bytes}) for {t.waiting} "
+                    f"blocks ({need} pages) and the pool has {free} bytes free ({ahead} wanted by others below "
+                    "theirs), yet its alloc was refused")
+        return ""
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
@@ -361,6 +386,7 @@ def test_the_budget_keeps_its_invariants_under_random_tenants() -> None:
     BudgetMachine.factory = Factory()
     try:
         run_state_machine_as_test(BudgetMachine, settings=cfg)
+        print("reached:", dict(SEEN))
     finally:
         BudgetMachine.factory.close()
         BudgetMachine.factory = None

@@ -514,3 +514,22 @@ def test_a_borrower_lends_as_soon_as_a_waiting_tenant_drops_below_its_guarantee(
     finally:
         w.close()
         lender.close()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "bug: KVSpace(guarantee_bytes=) that does not fit raises LedgerError (bindings.cpp create_space turns every "
+    "register_tenant failure into Code::Ledger) where Pool.set_guarantee raises ValueError for the same cause"))
+def test_a_guarantee_that_does_not_fit_is_the_same_error_at_construction_and_when_set(pool_name: str) -> None:
+    pool = Pool(pool_name, capacity=4 * PCB)
+    a = _space(pool, "a", guarantee_bytes=3 * PCB)
+    try:
+        with pytest.raises(ValueError):
+            pool.set_guarantee("a", 5 * PCB)
+        try:
+            _space(pool, "b", guarantee_bytes=2 * PCB)
+        except Exception as e:  # noqa: BLE001 - the type is what is judged
+            assert isinstance(e, ValueError) and not isinstance(e, LedgerError), type(e)
+        else:
+            raise AssertionError("not refused")
+    finally:
+        a.close()
