@@ -47,6 +47,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -83,11 +84,21 @@ RC_POOL_PAGES = 8
 # ------------------------------------------------------------- round trip
 
 
+def _raw_alloc(space: KVSpace) -> Callable[[int], Any]:
+    """The binding's alloc, returning only the ids (its tuple also carries code, counts and message)."""
+    alloc = space._space.alloc
+
+    def call(n: int) -> Any:
+        return alloc(n)[1]
+
+    return call
+
+
 def roundtrip(repeats: int, target_s: float) -> dict[str, Any]:
     """The three setups alive at once, their repeats interleaved so that load drifts hit all alike."""
     setups = ("private", "pooled_1_tenant", f"pooled_{OTHER_TENANTS + 1}_tenants")
-    names = [f"bench-policy-{uuid.uuid4().hex[:8]}" for _ in range(2)]
-    pool1, pool8 = (Pool(n, capacity=64 * MiB) for n in names)
+    pool_names = [f"bench-policy-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    pool1, pool8 = (Pool(p, capacity=64 * MiB) for p in pool_names)
     spaces: dict[str, KVSpace] = {}
     idle: list[KVSpace] = []
     try:
@@ -107,8 +118,7 @@ def roundtrip(repeats: int, target_s: float) -> dict[str, Any]:
                     assert not space.budget().lending
                 bodies[setup] = roundtrip_loop(space.alloc, space.free, n)
                 # The bindings alone (no Python validation): the policy's share of the native call.
-                raw = space._space
-                bodies[setup + "/bindings"] = roundtrip_loop(lambda k, a=raw.alloc: a(k)[1], raw.free, n)
+                bodies[setup + "/bindings"] = roundtrip_loop(_raw_alloc(space), space._space.free, n)
             with contextlib.ExitStack() as checks, no_gc():
                 for setup, space in spaces.items():
                     checks.enter_context(no_page_syscalls(space, f"{setup} round trip n={n}"))
@@ -126,8 +136,8 @@ def roundtrip(repeats: int, target_s: float) -> dict[str, Any]:
     finally:
         for sp in [*spaces.values(), *idle]:
             sp.close()
-        for n in names:
-            Pool.remove(n)
+        for p in pool_names:
+            Pool.remove(p)
     ratios: dict[str, Any] = {}
     for level in ("", "/bindings"):
         base = out["private" + level]
@@ -220,7 +230,7 @@ def reclaim(rounds: int) -> dict[str, Any]:
         if child.stdout is not None:
             child.stdout.close()
         Pool.remove(name)
-    res = {"rounds": rounds, "lend_reclaim_us": _pcts(policy), "no_guarantee_us": _pcts(plain)}
+    res: dict[str, Any] = {"rounds": rounds, "lend_reclaim_us": _pcts(policy), "no_guarantee_us": _pcts(plain)}
     res["ratio_p50"] = ratio(res["lend_reclaim_us"]["p50"], res["no_guarantee_us"]["p50"])
     res["ratio_p99"] = ratio(res["lend_reclaim_us"]["p99"], res["no_guarantee_us"]["p99"])
     return res
