@@ -478,6 +478,35 @@ async def test_a_manager_guarantee_above_the_capacity_is_refused(pool_name: str)
             p.set_guarantee(PCB)
 
 
+@pytest.mark.parametrize("equal", [False, True], ids=["furthest_below_first", "fifo_among_equals"])
+def test_waiters_are_granted_furthest_below_their_guarantee_first(equal: bool, pool_name: str) -> None:
+    pool = Pool(pool_name, capacity=POOL_PAGES * PCB)
+    # `late` arrives second; it is further below its guarantee unless `equal`.
+    early = _space(pool, "early", guarantee_bytes=2 * PCB)
+    late = _space(pool, "late", guarantee_bytes=(2 if equal else 4) * PCB)
+    lender = _space(pool, "lender")  # the default share: what the explicit ones leave
+    spaces = (early, late, lender)
+    try:
+        held = lender.alloc(POOL_BLOCKS)  # borrows the whole pool
+        for s in (early, late):
+            with pytest.raises(PoolExhausted):
+                s.alloc(BPP)
+            s.report_waiting(1)  # queued by its manager: wants one page
+        assert lender.budget().lending
+        lender.free(held[:BPP])  # one page empties and goes back at once
+        assert pool.snapshot().committed == (POOL_PAGES - 1) * PCB
+        first, second = (early, late) if equal else (late, early)
+        with pytest.raises(PoolExhausted):
+            second.alloc(BPP)  # the page is the first one's
+        assert len(first.alloc(BPP)) == BPP
+        first.report_waiting(0)
+        lender.free(held[BPP : 2 * BPP])
+        assert len(second.alloc(BPP)) == BPP
+    finally:
+        for s in spaces:
+            s.close()
+
+
 # =============================================================================
 # 4. Bugs found while writing these tests (xfail(strict=True): the branch stays
 #    green; a fix turns them into failures that ask for the marker's removal).
