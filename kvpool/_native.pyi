@@ -305,7 +305,7 @@ class Ledger:
     @property
     def generation(self) -> int: ...
 
-    def snapshot(self) -> LedgerSnapshot:
+    def snapshot(self, arg: bool, /) -> LedgerSnapshot:
         """
         Every live tenant in one pass (lock-free; never waits for another process).
         """

@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # script -> what its JSON must hold
 BENCHMARKS = {
     "bench_native.py": ("roundtrip", "page", "scale", "ratio"),
+    "bench_policy.py": ("roundtrip", "reclaim"),
     "bench_async.py": ("ratio",),
     "bench_pool.py": ("ratio_p50", "cross_process_us", "in_process_us"),
     "bench_peers.py": ("ratio", "floor"),
