@@ -9,11 +9,11 @@ once it is a tenant, then what it is asked for as one JSON line.
 
   stop_claim POOL NAME BLOCKS   on the line "go": the next claim stops this
                                 process (SIGSTOP, claim pending), alloc BLOCKS
-  churn POOL NAME CTL           alloc/free forever; ops counted as a u64 at
-                                offset 0 of the file CTL
+  churn POOL NAME CTL LIMIT     alloc/free forever under a limit of LIMIT bytes;
+                                ops counted as a u64 at offset 0 of the file CTL
   hold POOL NAME BLOCKS         alloc BLOCKS, print {"committed"}, wait for EOF
-  pidns POOL NAME BLOCKS ASK    (inside another PID namespace) hold BLOCKS,
-                                reap, try to alloc ASK more, print what it saw;
+  pidns POOL NAME BLOCKS ASK    (inside another PID namespace) reap, try to
+                                alloc ASK, then hold BLOCKS, print what it saw;
                                 on each further stdin line print tenants()
   register POOL NAME ROUNDS CTL INDEX
                                 race another process registering NAME-<round>
@@ -35,9 +35,9 @@ from kvpool import Geometry, KVSpace, KVPoolError, LedgerError, Pool, PoolExhaus
 G = Geometry(1, 2, 4096, 256, page_bytes=16384)  # 4 blocks a page, 32 KiB per page commit
 
 
-def join(pool: str, name: str) -> tuple[Pool, KVSpace]:
+def join(pool: str, name: str, limit_bytes: int | None = None) -> tuple[Pool, KVSpace]:
     p = Pool(pool, create=False)
-    return p, KVSpace(G, pool=p, name=name, reserve_thread=False, reserve=(0, 0))
+    return p, KVSpace(G, pool=p, name=name, reserve_thread=False, reserve=(0, 0), limit_bytes=limit_bytes)
 
 
 def rows(p: Pool) -> list[dict[str, object]]:
@@ -55,8 +55,9 @@ def stop_claim(pool: str, name: str, blocks: int) -> None:
     sys.stdin.read()
 
 
-def churn(pool: str, name: str, ctl_path: str) -> None:
-    _p, space = join(pool, name)
+def churn(pool: str, name: str, ctl_path: str, limit_bytes: int) -> None:
+    # The limit keeps room in the pool for the parent whatever the churn does.
+    p, space = join(pool, name, limit_bytes)
     fd = os.open(ctl_path, os.O_RDWR)
     ctl = mmap.mmap(fd, 64)
     rng = random.Random(os.getpid())
@@ -64,7 +65,9 @@ def churn(pool: str, name: str, ctl_path: str) -> None:
     ops = 0
     print("ready", flush=True)
     while True:
-        if held and (len(held) > 6 or rng.random() < 0.5):
+        if rng.random() < 0.05:
+            p.tenants()  # reaps and reads every slot: stops land in those paths too
+        elif held and (len(held) > 6 or rng.random() < 0.5):
             space.free(held.pop(rng.randrange(len(held))))
         else:
             try:
@@ -85,14 +88,14 @@ def hold(pool: str, name: str, blocks: int) -> None:
 
 def pidns(pool: str, name: str, blocks: int, ask: int) -> None:
     p, space = join(pool, name)
-    space.alloc(blocks)
     print("ready", flush=True)
     reaped = p.reap()
     try:
         space.alloc(ask)
         outcome = "granted"
-    except PoolExhausted:
-        outcome = "PoolExhausted"
+    except PoolExhausted as e:
+        outcome = type(e).__name__  # RequestTooLarge would say nothing about the other tenants
+    space.alloc(blocks)
     print(json.dumps({"pid": os.getpid(), "reaped": reaped, "alloc": outcome,
                       "committed": space.stats().committed_bytes, "pool_committed": p.committed,
                       "capacity": p.capacity, "tenants": rows(p)}), flush=True)
@@ -146,7 +149,7 @@ def main() -> None:
     if mode == "stop_claim":
         stop_claim(pool, name, int(rest[0]))
     elif mode == "churn":
-        churn(pool, name, rest[0])
+        churn(pool, name, rest[0], int(rest[1]))
     elif mode == "hold":
         hold(pool, name, int(rest[0]))
     elif mode == "pidns":
