@@ -41,7 +41,8 @@ def join(pool: str, name: str, limit_bytes: int | None = None) -> tuple[Pool, KV
 
 
 def rows(p: Pool) -> list[dict[str, object]]:
-    return [{"name": t.name, "pid": t.pid, "visible": t.visible, "committed": t.committed_bytes}
+    # getattr: builds before D5 have no `visible` (and still report the rest)
+    return [{"name": t.name, "pid": t.pid, "visible": getattr(t, "visible", None), "committed": t.committed_bytes}
             for t in p.tenants()]
 
 
@@ -95,8 +96,12 @@ def pidns(pool: str, name: str, blocks: int, ask: int) -> None:
         outcome = "granted"
     except PoolExhausted as e:
         outcome = type(e).__name__  # RequestTooLarge would say nothing about the other tenants
-    space.alloc(blocks)
-    print(json.dumps({"pid": os.getpid(), "reaped": reaped, "alloc": outcome,
+    try:
+        space.alloc(blocks)
+        hold = "granted"
+    except PoolExhausted as e:  # an over-committed pool (the old defect) has nothing left
+        hold = type(e).__name__
+    print(json.dumps({"pid": os.getpid(), "reaped": reaped, "alloc": outcome, "hold": hold,
                       "committed": space.stats().committed_bytes, "pool_committed": p.committed,
                       "capacity": p.capacity, "tenants": rows(p)}), flush=True)
     for _line in sys.stdin:

@@ -83,7 +83,7 @@ def assert_refused_untouched(name: str, *watched: str, match: str) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", [0o666, 0o644, 0o640, 0o620, 0o602, 0o700])
+@pytest.mark.parametrize("mode", [0o666, 0o644, 0o640, 0o620, 0o602, 0o700], ids=lambda m: f"{m:04o}")
 def test_a_pool_file_others_can_touch_is_refused(mode: int, names: Callable[[], str]) -> None:
     name = names()
     path = f"{SHM}/kvpool-{name}"
