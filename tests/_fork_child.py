@@ -13,6 +13,12 @@ here, not in pytest's own process, to keep that one single-threaded and clean.
   use     the child calls alloc/free/trim/set_limit without closing: PoolClosed
   del     the child drops its references and collects them
   exit    the child returns through the interpreter's normal exit (finalizers run)
+
+    python _fork_child.py - 0 read-released
+
+The parent releases its pages after the fork; the child then only reads its
+inherited view (numpy: torch's thread pool is not fork-safe) and exits. The
+parent prints its allocated and committed bytes.
 """
 
 from __future__ import annotations
@@ -55,7 +61,31 @@ def child_checks(s: KVSpace, ids: list[int], mode: str) -> list[str]:
     return wrong
 
 
+def read_released() -> None:
+    s = KVSpace(G, reserve_thread=False, reserve=(0, 0))
+    ids = s.alloc(64)
+    v = s.view(0, 0, torch.int32, (1024,))
+    v[torch.from_numpy(ids)] = 5
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.read(go_r, 1)  # the parent has released every page
+        os.write(1, f"child read {int(v.numpy().sum())}\n".encode())
+        os._exit(0)
+    s.free(ids)
+    released = {"allocated_bytes": s.allocated_bytes(), "committed_bytes": s.stats().committed_bytes}
+    os.write(go_w, b"x")
+    _, status = os.waitpid(pid, 0)  # any end of the child will do (a fault is fine): the parent's books matter
+    after = {"allocated_bytes": s.allocated_bytes(), "committed_bytes": s.stats().committed_bytes}
+    s.close()
+    print(json.dumps({"child_status": os.waitstatus_to_exitcode(status), "released": released, "after": after}),
+          flush=True)
+
+
 def main() -> None:
+    if sys.argv[3] == "read-released":
+        read_released()
+        return
     pool_arg, reserve_thread, mode = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
     pool = None if pool_arg == "-" else Pool(pool_arg, create=False)
     s = KVSpace(G, pool=pool, name="parent" if pool else None, reserve_thread=reserve_thread,
