@@ -321,7 +321,11 @@ def test_a_settings_seqlock_left_odd_fails_writers_quickly_and_the_owner_keeps_a
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("reader", [
-    "Pool.snapshot",
+    # Not strict: the churner's pending claim is caught in a read only in some
+    # runs; test_a_pending_claim_is_in_the_total_exactly_as_in_its_row pins the
+    # same bug deterministically (strict). Drop this mark when that one passes.
+    pytest.param("Pool.snapshot", marks=pytest.mark.xfail(strict=False, reason=(
+        "BUG (racy here): Pool.snapshot().committed counts pending claims, its rows do not"))),
     pytest.param("kvpool top --json", marks=pytest.mark.xfail(strict=True, reason=(
         "BUG: kvpool/cli.py _snapshot() still reads pool.tenants() and pool.committed in two steps "
         "(D12 not applied to the CLI); use one pool.snapshot() after pool.reap()"))),
