@@ -150,13 +150,14 @@ def stepped(llm: Any, prompts: list[list[int]], sp: Any, barrier: dict[str, Any]
     """Generate by stepping the engine, parking once at the barrier (see the module doc)."""
     assert pool is not None and tenant, "a barrier needs the pool and the tenant"
     engine = llm.llm_engine
-    ids = [engine.add_request(f"barrier-{i}", {"prompt_token_ids": p}, sp) for i, p in enumerate(prompts)]
-    done: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"barrier-{i}-", {"prompt_token_ids": p}, sp)
+    done: dict[int, list[int]] = {}  # by prompt index (vLLM may suffix the ids)
     reached = False
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
+                done[int(out.request_id.split("-")[1])] = list(out.outputs[0].token_ids)
         if not reached and engine.has_unfinished_requests():
             mine = sum(t.committed_bytes for t in pool.snapshot().tenants if t.name == tenant)
             if mine >= barrier["committed_bytes"]:
@@ -166,7 +167,7 @@ def stepped(llm: Any, prompts: list[list[int]], sp: Any, barrier: dict[str, Any]
                     time.sleep(0.01)
     if not reached:
         open(barrier["ready_file"], "w").close()  # never reached: let the waiter see it and fail
-    return [done[i] for i in ids], reached
+    return [done[i] for i in range(len(prompts))], reached
 
 
 if __name__ == "__main__":
