@@ -213,7 +213,8 @@ def run_together(tmp: pathlib.Path, pool: Pool, engines: dict[str, dict[str, Any
     try:
         # An engine that dies fails here; one that hangs, in the test's timeout.
         while not all((tmp / f"ready-{n}").exists() for n in engines):
-            assert all(p.poll() is None for p, _ in procs), "an engine died while starting"
+            dead = [p for p, _ in procs if p.poll() is not None]
+            assert not dead, "an engine died while starting: " + dead[0].communicate()[1][-4000:]
             time.sleep(0.05)
         sampler.start()
         go.touch()

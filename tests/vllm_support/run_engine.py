@@ -95,6 +95,10 @@ def main() -> None:
     def held_now() -> dict[str, int]:
         return {t.name: t.committed_bytes for t in pool.snapshot().tenants} if pool is not None else {}
 
+    if cfg.get("ready_file"):
+        open(cfg["ready_file"], "w").close()
+        wait_for(cfg["go_file"])
+
     phases = []
     for phase in cfg["phases"]:
         if phase.get("wait_file"):
