@@ -354,6 +354,6 @@ def test_a_borrowing_engine_preempts_for_a_tenant_below_its_guarantee_and_finish
         lend_end = [e for e in res["events"] if e["event"] == "vllm lend end"]
         assert len(lend) >= 1 and len(lend_end) >= 1, [e["event"] for e in res["events"]]
         assert sum(e["free_counts_refused"] for e in lend_end) > 0  # vLLM was told "cannot schedule now"
-        assert a_phase["preemptions"] > 0  # ...and preempted
+        assert a_phase["preemptions_after_barrier"] > 0  # ...and preempted
         assert b.stats().used_blocks == len(blocks) == 4 * want
         b.free(blocks)

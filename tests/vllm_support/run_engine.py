@@ -114,9 +114,11 @@ def main() -> None:
             current.update(min=dict(at_start), max=dict(at_start))
         preempted_before = preemptions[0]
         start = time.monotonic()
-        barrier_reached = None
+        barrier_reached, preempted_at_barrier = None, None
         if phase.get("barrier"):
-            tokens, barrier_reached = stepped(llm, phase["prompts"], sp, phase["barrier"], cfg.get("tenant"), pool)
+            tokens, preempted_at_barrier = stepped(llm, phase["prompts"], sp, phase["barrier"], cfg.get("tenant"),
+                                                   pool, preemptions)
+            barrier_reached = preempted_at_barrier is not None
         else:
             outs = llm.generate([{"prompt_token_ids": p} for p in phase["prompts"]], sp, use_tqdm=False)
             tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -133,6 +135,9 @@ def main() -> None:
             "tenants_max": high,
             "preemptions": preemptions[0] - preempted_before,
             "barrier_reached": barrier_reached,
+            # Preemptions from the barrier's release to the phase's end.
+            "preemptions_after_barrier": None if preempted_at_barrier is None
+            else preemptions[0] - preempted_at_barrier,
         })
         if phase.get("done_file"):
             open(phase["done_file"], "w").close()
@@ -150,26 +155,28 @@ def main() -> None:
 
 
 def stepped(llm: Any, prompts: list[list[int]], sp: Any, barrier: dict[str, Any], tenant: str | None,
-            pool: Any) -> tuple[list[list[int]], bool]:
-    """Generate by stepping the engine, parking once at the barrier (see the module doc)."""
+            pool: Any, preemptions: list[int]) -> tuple[list[list[int]], int | None]:
+    """Generate by stepping the engine, parking once at the barrier (see the
+    module doc); returns the tokens and the preemption count at the barrier's
+    release (``None``: never reached)."""
     assert pool is not None and tenant, "a barrier needs the pool and the tenant"
     engine = llm.llm_engine
     for i, p in enumerate(prompts):
         engine.add_request(f"barrier-{i}-", {"prompt_token_ids": p}, sp)
     done: dict[int, list[int]] = {}  # by prompt index (vLLM may suffix the ids)
-    reached = False
+    reached: int | None = None
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[int(out.request_id.split("-")[1])] = list(out.outputs[0].token_ids)
-        if not reached and engine.has_unfinished_requests():
+        if reached is None and engine.has_unfinished_requests():
             mine = sum(t.committed_bytes for t in pool.snapshot().tenants if t.name == tenant)
             if mine >= barrier["committed_bytes"]:
-                reached = True
                 open(barrier["ready_file"], "w").close()
                 while not os.path.exists(barrier["go_file"]):
                     time.sleep(0.01)
-    if not reached:
+                reached = preemptions[0]
+    if reached is None:
         open(barrier["ready_file"], "w").close()  # never reached: let the waiter see it and fail
     return [done[i] for i in range(len(prompts))], reached
 
