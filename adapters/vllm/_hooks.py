@@ -1,14 +1,16 @@
 """Where the plugin meets vLLM (0.32): small patches, installed once.
 
 1. ``Executor.initialize_from_config`` (engine-core process, before any
-   worker allocates): create the KV space for the config vLLM computed and
-   attach how to reach its memory to every worker's ``KVCacheConfig``.
+   worker allocates): create the KV space for the config vLLM computed,
+   refuse to start if the pool can never hold one ``max_model_len`` request
+   (:mod:`.admission`, vLLM's own wording), and attach how to reach its
+   memory to every worker's ``KVCacheConfig``.
 2. ``allocate_kv_cache`` (worker): view that memory instead of allocating a
    zeroed buffer. The views are vLLM's own (``create_kv_cache_views``) with
    the layer stride of the space's regions.
 3. ``kv_cache_coordinator.BlockPool`` (engine-core process): the scheduler's
    block pool becomes :class:`KVPoolBlockPool` over that space.
-4. ``Scheduler.schedule``: each step starts with the block pool's pressure
+4. ``Scheduler.schedule``: each step starts with the block pool's budget
    check (no prefix-cache lookup is pending then); with async scheduling it
    also turns on vLLM's deferred block free, so a page is never released
    under a step still in flight.
@@ -45,6 +47,7 @@ from kvpool import Geometry, KVSpace, Pool, SharedMemory, map_shared
 from kvpool.pool import default_pool_name
 from kvpool.tracing import get_logger
 
+from .admission import check_one_request_fits
 from .block_pool import KVPoolBlockPool
 
 _ATTR = "kvpool_memory"  # the attribute carried by KVCacheConfig to workers
@@ -122,7 +125,9 @@ def _install_step_hook() -> None:
                     # be written by the step in flight; vLLM's own fence holds
                     # their free back, so kvpool never releases a page under it.
                     self.defer_block_free = True
-            block_pool.on_step()
+            # Preempted requests wait in the same queues as new ones.
+            queued = len(self.waiting) + len(getattr(self, "kv_holding_waiting", ()))
+            block_pool.on_step(queued)
         return original(self, *args, **kwargs)
 
     Scheduler.schedule = schedule
@@ -210,6 +215,13 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> KVSpace | No
         g, device=device, null_block=True, pool=Pool(default_pool_name(), device=device),
         name=os.environ.get("KVPOOL_VLLM_TENANT") or f"vllm-{os.getpid()}",
     )
+    try:
+        # vLLM's own check saw the virtual capacity: judge what the pool can back.
+        check_one_request_fits(space, max_model_len=int(vllm_config.model_config.max_model_len),
+                               block_size=int(kv_cache_configs[0].kv_cache_groups[0].kv_cache_spec.block_size))
+    except BaseException:
+        space.close()  # leave the pool: a refused engine holds no share
+        raise
     if device == "cpu":
         shared = space.shared_memory()
         handle: dict[str, Any] = dataclasses.asdict(shared)

@@ -25,34 +25,49 @@ Why this shape:
   and retries instead of failing.
 * A shortage in the space evicts evictable blocks, least recently freed
   first (any freed slot sits in a committed page and is reusable at once, so
-  LRU order loses no memory). When the *pool* needs memory back (another
-  tenant is waiting, or an operator lowered this engine's limit below what
-  it holds), cached blocks are reclaimed by whole pages, oldest page first,
-  so the pages can really be released. That is checked at the start of each
-  scheduler step and, while a server's engine idles, from its idle loop:
-  both on the engine's thread (vLLM's structures are not thread-safe) and
-  never between a prefix-cache lookup and the touch that takes the hit.
+  LRU order loses no memory).
+* Fair share (DESIGN.md): the space's budget is the one judge of whether
+  this engine must give memory back. It is read once per scheduler step
+  (``on_step``), from a server's idle loop (``on_idle``) and when an
+  allocation misses, never per block op. While the budget says ``lending``
+  (this engine borrows above its guarantee and a tenant below its own
+  waits), the engine
+
+    1. gives whole cached pages back, oldest first, as many as the waiting
+       tenants want (the space releases emptied pages at once);
+    2. answers 0 to ``get_num_free_blocks``: vLLM sees its cache as full,
+       returns ``None`` from ``allocate_slots`` (its own "cannot schedule
+       now") and preempts; preempted blocks that stay cached are given back
+       at the next step, the others go back as they are freed.
+
+  The same step check gives back whole cached pages above a lowered limit.
+  Reclaiming happens only at those points: on the engine's thread (vLLM's
+  structures are not thread-safe) and never between a prefix-cache lookup
+  and the touch that takes the hit.
+* The other direction: vLLM never says it waits (a shortage is a ``None``
+  it handles itself), so at each step the engine reports one waiting
+  request to the pool while its scheduler has requests queued and less than
+  a page of room is left; below its guarantee that makes borrowers lend.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from kvpool import KVSpace, PoolExhausted
+from kvpool import BudgetStats, KVSpace, PoolExhausted, RequestTooLarge
+from kvpool.tracing import get_logger
 
 from vllm.v1.core.block_pool import BlockPool
 
 # How long get_new_blocks waits when another tenant took the budget between
 # vLLM's free-block check and the allocation (a narrow race), before failing.
 SHORTAGE_WAIT_S = 30.0
-# How often the scheduler's calls look at the pool for pressure.
-PRESSURE_CHECK_S = 0.05
-# Pages reclaimed per pressure check: gives memory back in steps, keeps most
-# of the cache while other tenants need only a little.
+# Pages given back per step above a lowered limit, or (at least) while lending.
 RECLAIM_PAGES_PER_CHECK = 4
 
 
@@ -76,23 +91,33 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         self.space = space
         # Held blocks with ref_cnt 0, oldest first (dict order = LRU).
         self._evictable: dict[int, Any] = {}
-        self._next_pressure_check = 0.0
         g = space.geometry
-        self._block_bytes = g.region_block_bytes
-        self._page_bytes = g.page_bytes
-        self._blocks_per_page = max(1, g.page_bytes // g.region_block_bytes)
+        self._page_commit_bytes = g.page_commit_bytes
+        # Less room than a page holds on average: "at the edge" (see on_step).
+        self._blocks_per_page = max(1, math.ceil(g.capacity / g.num_pages))
         self._reported_waiting = 0
         self._virtual_count = False
+        # The budget's lending verdict as last read (once per step, or on a
+        # shortage); get_num_free_blocks answers from it without a native call.
+        self._lending = False
+        self._lend_pages = 0  # cached pages given back in this lending episode
+        self._lend_refusals = 0  # free counts answered 0 in this episode
+        self._log = get_logger(pool=space.pool.name if space.pool else None, tenant=space.name)
 
     # -- what vLLM asks ---------------------------------------------------------
     # No method here reclaims: vLLM looks up prefix-cache hits (ref 0) and
     # touches them later in the same allocate_slots, calling this pool (and
     # free_blocks, for skipped blocks) in between. Reclaiming there could drop
-    # a hit before it is touched; pressure is handled at step start instead.
+    # a hit before it is touched; the budget is acted on at step start instead.
     def get_num_free_blocks(self) -> int:
         queued = int(self.free_block_queue.num_free_blocks)
         if self._virtual_count:
             return queued
+        if self._lending:
+            # A lender does not grow, not even into its own cache: vLLM sees
+            # a full cache and preempts, as it would with no memory left.
+            self._lend_refusals += 1
+            return 0
         return min(queued, self.space.available() + len(self._evictable))
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
@@ -176,42 +201,114 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         self._release_evictable(list(self._evictable.values()))
         return True
 
-    def on_step(self) -> None:
+    def on_step(self, num_waiting: int | None = None) -> None:
         """Called at the start of each scheduler step (the engine's thread, no
-        prefix-cache lookup pending): give cached pages back if the pool
-        wants memory, and tell it whether this engine is short."""
-        self._maybe_reclaim()
+        prefix-cache lookup pending) with the number of requests vLLM has
+        queued (``None``: unknown, taken as some): act on the budget's
+        verdict and tell the pool whether this engine is short."""
+        self._check_budget(num_waiting)
 
     def on_idle(self) -> None:
         """Called by the engine core while it has no requests (its own thread):
-        give cached pages back if the pool wants memory."""
-        self._maybe_reclaim(idle=True)
+        give cached pages back if the budget says so."""
+        self._check_budget(0)
+
+    @property
+    def lending(self) -> bool:
+        """The budget's lending verdict as this engine last acted on it."""
+        return self._lending
 
     # -- kvpool side -----------------------------------------------------------
     def _alloc_ids(self, n: int) -> Any:
-        deadline, waited = time.monotonic() + SHORTAGE_WAIT_S, False
+        deadline, waited, looked = time.monotonic() + SHORTAGE_WAIT_S, False, False
         while True:
             try:
                 ids = self.space.alloc(n)
                 if waited:
                     self._report_waiting(0)
+                if self._lending:  # granted: the space no longer lends
+                    self._set_lending(self.space.budget())
                 return ids
+            except RequestTooLarge:
+                raise  # never grantable (admission): waiting cannot help
             except PoolExhausted as e:
+                if not looked:
+                    # A shortage: the one other moment the budget is read.
+                    looked = True
+                    self._set_lending(self.space.budget())
                 if self._evictable:
-                    short = max(1, n - e.available)
+                    # A lender gives its cache back whatever vLLM asked for.
+                    short = len(self._evictable) if self._lending else max(1, n - e.available)
                     self._release_evictable(list(self._evictable.values())[:short])
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    why = ("this engine lends its memory to a tenant below its guarantee" if self._lending
+                           else "another tenant took the budget")
                     raise KVPoolShortage(
                         f"kvpool: {n} blocks were free when vLLM checked but the pool has had only "
-                        f"{e.available} for {SHORTAGE_WAIT_S:.0f} s (another tenant took the budget)") from e
+                        f"{e.available} for {SHORTAGE_WAIT_S:.0f} s ({why})") from e
+                if not waited and self._lending:
+                    # The verdict turned between vLLM's check and this alloc
+                    # (another process started waiting): the blocks come
+                    # once that tenant is served.
+                    self._log.warning("vllm lend race", requested=n)
                 # Another tenant took the budget after vLLM's check: wait for
                 # memory to come back rather than fail the step (and say so,
-                # so engines holding cached pages give them up).
+                # so borrowers lend if this engine is below its guarantee).
                 self._report_waiting(1)
                 waited = True
                 self.space.wait_for_capacity(min(left, 0.05))
+
+    def _check_budget(self, num_waiting: int | None) -> None:
+        """Once per step: read the budget, give back what it asks for, report want."""
+        b = self.space.budget()  # one native call
+        self._set_lending(b)
+        if self._evictable:
+            # Unthrottled: over its limit an engine's cached pages cannot be
+            # recommitted, so they must not stay counted as free.
+            self.reclaim_pages(self._pages_over_limit(b))
+            if self._lending:
+                self._lend_pages += self.reclaim_pages(self._pages_to_lend(b))
+        # At the edge (less than a page of room, nothing of its own left to
+        # evict) with requests queued: this engine waits for memory. An idle
+        # engine wants nothing.
+        queued = 1 if num_waiting is None else num_waiting
+        short = queued > 0 and self.space.available() + len(self._evictable) < self._blocks_per_page
+        self._report_waiting(int(short))
+
+    def _set_lending(self, b: BudgetStats) -> None:
+        if b.lending == self._lending:
+            return
+        self._lending = b.lending
+        if b.lending:
+            self._lend_pages = self._lend_refusals = 0
+            self._log.info("vllm lend", borrowed_bytes=b.borrowed_bytes, guarantee_bytes=b.guarantee_bytes,
+                           claimed_bytes=b.claimed_bytes, cached_blocks=len(self._evictable))
+        else:
+            self._log.info("vllm lend end", pages_given_back=self._lend_pages, free_counts_refused=self._lend_refusals,
+                           claimed_bytes=b.claimed_bytes, guarantee_bytes=b.guarantee_bytes)
+
+    def _pages_over_limit(self, b: BudgetStats) -> int:
+        """Pages this engine holds beyond the limit in force."""
+        if b.limit_bytes is None:
+            return 0
+        pcb = self._page_commit_bytes
+        return max(0, b.claimed_bytes // pcb - b.limit_bytes // pcb)
+
+    def _pages_to_lend(self, b: BudgetStats) -> int:
+        """Cached pages to give back now: what the tenants waiting below their
+        guarantees still want (at least one page, so each step makes
+        progress), never more than this engine borrows."""
+        pcb = self._page_commit_bytes
+        borrowed = math.ceil(b.borrowed_bytes / pcb)
+        if borrowed <= 0 or self.space.pool is None:
+            return 0
+        me, wanted = self.space.name, 0
+        for t in self.space.pool.snapshot().tenants:  # one ledger read, while lending only
+            if t.name != me and t.want_bytes > 0 and t.committed_bytes < t.guarantee_bytes:
+                wanted += min(t.want_bytes, t.guarantee_bytes - t.committed_bytes)
+        return min(borrowed, max(1, math.ceil(wanted / pcb)))
 
     def _report_waiting(self, waiting: int) -> None:
         """Tell the pool, on a change only (the ledger is shared memory)."""
@@ -232,45 +329,18 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             ids[k] = block.block_id
         self.space.free(ids)
 
-    def _maybe_reclaim(self, idle: bool = False) -> None:
-        if self._evictable:
-            # Unthrottled: over its limit an engine's cached pages cannot be
-            # recommitted, so they must not stay counted as free.
-            self.reclaim_pages(self._pages_over_limit())
-        now = time.monotonic()
-        if now < self._next_pressure_check:
-            return
-        self._next_pressure_check = now + PRESSURE_CHECK_S
-        # vLLM never says it is waiting (a shortage is a None it handles
-        # itself), so tell the pool when this engine is at its edge: less
-        # than a page of room and nothing of its own left to evict.
-        # An idle engine wants nothing.
-        starving = 0 if idle else int(self.space.available() + len(self._evictable) < self._blocks_per_page)
-        self._report_waiting(starving)
-        if self._evictable and self._another_tenant_waits():
-            self.reclaim_pages(RECLAIM_PAGES_PER_CHECK)
-
-    def _pages_over_limit(self) -> int:
-        """Pages this engine holds beyond its limit (the space's or the pool's)."""
-        st = self.space.stats()  # one native call
-        if st.limit_pages < 0:
-            return 0
-        return max(0, st.committed_bytes // st.page_commit_bytes - st.limit_pages)
-
-    def _another_tenant_waits(self) -> bool:
-        pool = self.space.pool
-        me = self.space.name
-        return pool is not None and any(t.waiting > 0 for t in pool.tenants() if t.name != me)
-
     def reclaim_pages(self, max_pages: int) -> int:
         """Evict the cached blocks of up to ``max_pages`` pages that hold
         nothing else, oldest first, so the space can release them; returns
         the number of pages emptied."""
         if max_pages <= 0 or not self._evictable:
             return 0
+        page_of = self.space.geometry.page_of
         per_page: dict[int, list[Any]] = {}
         for block in self._evictable.values():  # oldest first
-            per_page.setdefault(block.block_id * self._block_bytes // self._page_bytes, []).append(block)
+            page = page_of(block.block_id)
+            if page is not None:  # (a straddling block is never handed out)
+                per_page.setdefault(page, []).append(block)
         used = {p.page: p.used for p in self.space.page_occupancy(list(per_page))}
         whole = [blocks for page, blocks in per_page.items() if used.get(page) == len(blocks)]
         victims = [b for blocks in whole[:max_pages] for b in blocks]

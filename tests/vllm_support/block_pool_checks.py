@@ -18,7 +18,8 @@ from contextlib import contextmanager
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
-from kvpool import Geometry, KVSpace, Pool
+from kvpool import Geometry, KVSpace, Pool, PoolExhausted
+from kvpool.adapters.vllm.admission import check_one_request_fits
 from kvpool.adapters.vllm import block_pool as bp
 from kvpool.adapters.vllm.block_pool import KVPoolBlockPool
 
@@ -164,28 +165,91 @@ def whole_cached_pages_are_reclaimed_oldest_first(name: str) -> None:
         assert p.num_evictable_blocks == len(by_page[0])
 
 
+def other_space(p: KVPoolBlockPool, name: str = "other") -> KVSpace:
+    return KVSpace(Geometry(1, 1, BLOCK, N, page_bytes=PAGE), pool=p.space.pool, name=name,
+                   reserve_thread=False, reserve=(0, 0))
+
+
+def wait_below_guarantee(other: KVSpace, n: int) -> None:
+    """``other`` asks for ``n`` blocks, misses (the pool is full) and waits."""
+    try:
+        other.alloc(n)
+    except PoolExhausted:
+        pass
+    else:
+        raise AssertionError("the pool was expected to be full")
+    other.report_waiting(1)
+
+
 @check
-def another_tenant_waiting_makes_an_engine_give_cached_pages_back(name: str) -> None:
-    bp.PRESSURE_CHECK_S = 0.0
-    with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
-        blocks = cache_and_free(p, 3 + 2 * PER_PAGE)
+def a_borrower_gives_cached_pages_back_while_a_tenant_below_its_guarantee_waits(name: str) -> None:
+    with block_pool(name, pages=4, caching=True) as p:
+        blocks = cache_and_free(p, 3 + 3 * PER_PAGE)  # the whole pool, all cached
         held = p.num_evictable_blocks
         assert held == len(blocks)
-        p.on_step()
-        assert p.num_evictable_blocks == held  # nobody waits: the cache stays
-        with KVSpace(Geometry(1, 1, BLOCK, N, page_bytes=PAGE), pool=p.space.pool, name="other",
-                     reserve_thread=False, reserve=(0, 0)) as other:
-            other.report_waiting(1)
+        with other_space(p) as other:  # guarantees: 2 pages each, eng borrows 2
+            p.on_step()
+            assert p.num_evictable_blocks == held and not p.lending  # nobody waits: the cache stays
+            wait_below_guarantee(other, PER_PAGE)
             p.get_num_free_blocks()
             p.free_blocks([])
             assert p.num_evictable_blocks == held  # never from vLLM's own calls (a hit may be pending)
             p.on_step()
-            assert p.num_evictable_blocks == held - 2 * PER_PAGE  # two whole pages given back
+            assert p.lending and p.space.budget().lending
+            # One page back, what the waiter wants (the oldest whole cached page).
+            assert p.num_evictable_blocks == held - PER_PAGE
+            assert p.get_num_free_blocks() == 0  # vLLM sees a full cache: it preempts
+            assert len(other.alloc(PER_PAGE)) == PER_PAGE  # granted
+            other.report_waiting(0)
+            p.on_step()
+            assert not p.lending and p.get_num_free_blocks() == p.num_evictable_blocks > 0
+
+
+@check
+def a_tenant_below_its_guarantee_keeps_its_cache_when_another_waits(name: str) -> None:
+    with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
+        cache_and_free(p, 3 + 2 * PER_PAGE)  # 3 pages of a 16-page pool: below its 8-page guarantee
+        held = p.num_evictable_blocks
+        with other_space(p) as other:
+            other.report_waiting(1)
+            p.on_step()
+            assert not p.lending and p.num_evictable_blocks == held
+
+
+@check
+def an_alloc_that_misses_because_the_engine_lends_gives_the_cache_back_and_waits(name: str) -> None:
+    import threading
+
+    bp.SHORTAGE_WAIT_S = 20.0
+    with block_pool(name, pages=4, caching=True) as p:
+        cache_and_free(p, 3 + 3 * PER_PAGE)
+        with other_space(p) as other:
+            free = p.get_num_free_blocks()  # vLLM's check, before the verdict turns
+            assert free > 2
+            wait_below_guarantee(other, 2 * PER_PAGE)
+            served = threading.Event()
+
+            def serve() -> None:  # the waiter takes what it wanted, then stops waiting
+                while True:
+                    try:
+                        other.alloc(2 * PER_PAGE)
+                        break
+                    except PoolExhausted:
+                        other.wait_for_capacity(0.05)
+                other.report_waiting(0)
+                served.set()
+
+            t = threading.Thread(target=serve)
+            t.start()
+            got = p.get_new_blocks(2)  # misses while lending: cache back, then waits for the verdict
+            t.join()
+            assert served.is_set() and len(got) == 2 and p.num_evictable_blocks == 0
+            p.on_step()
+            assert not p.lending
 
 
 @check
 def an_engine_at_the_pools_edge_reports_waiting_until_it_holds_nothing(name: str) -> None:
-    bp.PRESSURE_CHECK_S = 0.0
     with block_pool(name, pages=2, caching=False) as p:
         assert p.space.pool is not None
 
@@ -193,8 +257,10 @@ def an_engine_at_the_pools_edge_reports_waiting_until_it_holds_nothing(name: str
             return [t.waiting for t in p.space.pool.tenants() if t.name == "eng"]  # type: ignore[union-attr]
 
         blocks = p.get_new_blocks(p.get_num_free_blocks() - 2)
-        p.on_step()
-        assert waiting() == [1]  # less than a page of room left, nothing to evict
+        p.on_step(0)
+        assert waiting() == [0]  # at the edge, but vLLM has nothing queued
+        p.on_step(3)
+        assert waiting() == [1]  # less than a page of room left, nothing to evict, requests queued
         p.free_blocks(blocks[:1])
         assert waiting() == [1]  # still holding blocks
         p.free_blocks(blocks[1:])
@@ -203,7 +269,6 @@ def an_engine_at_the_pools_edge_reports_waiting_until_it_holds_nothing(name: str
 
 @check
 def a_lowered_limit_reclaims_down_to_it(name: str) -> None:
-    bp.PRESSURE_CHECK_S = 0.0
     with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
         cache_and_free(p, 3 + 3 * PER_PAGE)
         assert p.space.stats().committed_bytes == 4 * PAGE
@@ -220,24 +285,25 @@ def a_pending_cache_hit_survives_pressure_until_it_is_touched(name: str) -> None
     # calls get_num_free_blocks / free_blocks, then touches it. Reclaiming in
     # between dropped the hit and left a block in use that the space thought
     # free.
-    bp.PRESSURE_CHECK_S = 0.0
-    with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
-        blocks = cache_and_free(p, 3 + 2 * PER_PAGE)
-        hit = cached(p, b"c%d" % blocks[-1].block_id)
+    with block_pool(name, pages=4, caching=True) as p:
+        blocks = cache_and_free(p, 3 + 3 * PER_PAGE)
+        hit = cached(p, b"c%d" % blocks[3].block_id)  # on page 1: the oldest whole cached page
         assert hit is not None
-        with KVSpace(Geometry(1, 1, BLOCK, N, page_bytes=PAGE), pool=p.space.pool, name="other",
-                     reserve_thread=False, reserve=(0, 0)) as other:
-            other.report_waiting(1)
+        with other_space(p) as other:
+            wait_below_guarantee(other, 2 * PER_PAGE)
             p.get_num_free_blocks()
             p.free_blocks([])
-            assert cached(p, b"c%d" % blocks[-1].block_id) is hit
+            assert cached(p, b"c%d" % blocks[3].block_id) is hit
             p.touch([hit])
             p.on_step()  # the step boundary: pages of cached blocks go
-            assert hit.ref_cnt == 1 and hit.block_hash is not None
+            assert p.lending and hit.ref_cnt == 1 and hit.block_hash is not None
             used = p.space.stats().used_blocks
             assert used == 1 + p.num_evictable_blocks  # the hit is still held by the space
+            other.alloc(2 * PER_PAGE)
+            other.report_waiting(0)
+            p.on_step()
             fresh = p.get_new_blocks(p.get_num_free_blocks())
-            assert hit not in fresh
+            assert fresh and hit not in fresh
 
 
 @check
@@ -310,11 +376,42 @@ def behaves_like_vllms_block_pool_on_a_random_workload(name: str) -> None:
         assert p.space.stats().used_blocks == len(held)
 
 
+@check
+def admission_refuses_a_pool_that_cannot_hold_one_max_len_request(name: str) -> None:
+    with block_pool(name, pages=3, caching=False) as p:  # 3 + 2 x 4 = 11 blocks, ever
+        assert p.space.max_blocks() == 3 + 2 * PER_PAGE
+        check_one_request_fits(p.space, max_model_len=11 * 16, block_size=16)  # fits exactly
+        try:
+            check_one_request_fits(p.space, max_model_len=11 * 16 + 1, block_size=16)
+        except ValueError as e:
+            msg = str(e)
+        else:
+            raise AssertionError("a request of 12 blocks cannot fit in 11")
+        # vLLM's own wording, with the bytes needed and available.
+        assert "KV cache is needed, which is larger than the available KV cache memory" in msg, msg
+        assert f"({12 * BLOCK} bytes" in msg and f"({11 * BLOCK} bytes" in msg, msg
+        assert f"pool capacity {3 * PAGE} bytes" in msg and "maximum model length is 176" in msg, msg
+
+
+@check
+def admission_counts_the_tenants_limit(name: str) -> None:
+    with block_pool(name, pages=N // PER_PAGE, caching=False) as p:
+        check_one_request_fits(p.space, max_model_len=40 * 16, block_size=16)
+        assert p.space.pool is not None
+        p.space.pool.set_limit("eng", 2 * PAGE)
+        try:
+            check_one_request_fits(p.space, max_model_len=40 * 16, block_size=16)
+        except ValueError as e:
+            assert f"tenant limit {2 * PAGE} bytes" in str(e) and "at most 7 blocks" in str(e), str(e)
+        else:
+            raise AssertionError("the limit holds 7 blocks, the request needs 40")
+
+
 def main() -> None:
     prefix = sys.argv[1]
     results: dict[str, str] = {}
     for i, (name, fn) in enumerate(CHECKS.items()):
-        bp.PRESSURE_CHECK_S, bp.SHORTAGE_WAIT_S = 0.05, 30.0
+        bp.SHORTAGE_WAIT_S = 30.0
         try:
             fn(f"{prefix}-{i}")
             results[name] = "ok"

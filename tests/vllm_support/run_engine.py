@@ -6,9 +6,20 @@ on when the environment says so (``KVPOOL_VLLM=1``); this script never
 imports kvpool's adapters itself, so it measures vLLM as an operator runs it.
 
 CONFIG keys: model, phases (list of {prompts: [[token ids]], max_tokens,
-limit_bytes?}), prefix_caching, kv_cache_memory_bytes, max_num_seqs,
-block_size, in_process (bool), tenant (for limits), pool (sampled every few
-ms when set), ready_file / go_file (optional start barrier).
+limit_bytes?, sleep_s?, wait_file?, done_file?, barrier?}), prefix_caching,
+kv_cache_memory_bytes, max_num_seqs, block_size, max_model_len, in_process
+(bool), tenant (for limits), pool (sampled every few ms when set),
+ready_file / go_file (optional start barrier).
+
+Phases are ordered by events, not time: ``wait_file`` holds a phase back
+until that file exists, ``done_file`` is created when it ends. A phase with
+``barrier`` {committed_bytes, ready_file, go_file} steps the engine itself
+and, after the first step at which this tenant holds at least
+committed_bytes with requests still running, creates ready_file and parks
+(between steps) until go_file exists. Each phase reports the pool's tenants
+as it started (``tenants_at_start``), the least and most each held while
+it ran (``tenants_min`` / ``tenants_max``, sampled), and, in-process, the
+scheduler's preemptions during it.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 
 def main() -> None:
@@ -26,6 +38,19 @@ def main() -> None:
     if cfg.get("in_process", True):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
+
+    preemptions = [0]
+    if cfg.get("in_process", True):
+        # The scheduler runs in this process: count its preemptions.
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        original_preempt = Scheduler._preempt_request
+
+        def counting_preempt(self: Any, *args: Any, **kwargs: Any) -> Any:
+            preemptions[0] += 1
+            return original_preempt(self, *args, **kwargs)
+
+        Scheduler._preempt_request = counting_preempt
 
     t0 = time.monotonic()
     llm = LLM(
@@ -40,6 +65,8 @@ def main() -> None:
     pool = None
     samples: list[tuple[float, int, int]] = []  # (t, pool committed, this tenant committed)
     stop = threading.Event()
+    current: dict[str, Any] = {}  # the running phase's min/max per tenant (the sampler fills them)
+    lock = threading.Lock()
     if cfg.get("pool"):
         from kvpool import Pool
 
@@ -48,35 +75,72 @@ def main() -> None:
 
         def sample() -> None:
             while not stop.is_set():
-                mine = sum(t.committed_bytes for t in pool.tenants() if t.name == tenant)
-                samples.append((time.monotonic(), pool.committed, mine))
+                snap = pool.snapshot()
+                held = {t.name: t.committed_bytes for t in snap.tenants}
+                samples.append((time.monotonic(), snap.committed, held.get(tenant, 0)))
+                with lock:
+                    if current:
+                        for name, c in held.items():
+                            current["min"][name] = min(current["min"].get(name, c), c)
+                            current["max"][name] = max(current["max"].get(name, c), c)
                 time.sleep(0.005)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
 
+    def wait_for(path: str) -> None:
+        while not os.path.exists(path):
+            time.sleep(0.01)
+
+    def held_now() -> dict[str, int]:
+        return {t.name: t.committed_bytes for t in pool.snapshot().tenants} if pool is not None else {}
+
     if cfg.get("ready_file"):
         open(cfg["ready_file"], "w").close()
-        while not os.path.exists(cfg["go_file"]):
-            time.sleep(0.01)
+        wait_for(cfg["go_file"])
 
     phases = []
     for phase in cfg["phases"]:
+        if phase.get("wait_file"):
+            wait_for(phase["wait_file"])
         if phase.get("limit_bytes") is not None:
             assert pool is not None
             assert pool.set_limit(cfg["tenant"], phase["limit_bytes"]) in ("applied", "deferred", "same")
         if phase.get("sleep_s"):
             time.sleep(phase["sleep_s"])
         sp = SamplingParams(temperature=0, max_tokens=phase.get("max_tokens", 32), ignore_eos=True)
+        at_start = held_now()
+        with lock:
+            current.update(min=dict(at_start), max=dict(at_start))
+        preempted_before = preemptions[0]
         start = time.monotonic()
-        outs = llm.generate([{"prompt_token_ids": p} for p in phase["prompts"]], sp, use_tqdm=False)
+        barrier_reached, preempted_at_barrier = None, None
+        if phase.get("barrier"):
+            tokens, preempted_at_barrier = stepped(llm, phase["prompts"], sp, phase["barrier"], cfg.get("tenant"),
+                                                   pool, preemptions)
+            barrier_reached = preempted_at_barrier is not None
+        else:
+            outs = llm.generate([{"prompt_token_ids": p} for p in phase["prompts"]], sp, use_tqdm=False)
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
         gen_s = time.monotonic() - start
+        with lock:
+            low, high = current.pop("min"), current.pop("max")
         phases.append({
-            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "tokens": tokens,
             "gen_s": gen_s,
             "start": start,
             "end": start + gen_s,
+            "tenants_at_start": at_start,
+            "tenants_min": low,
+            "tenants_max": high,
+            "preemptions": preemptions[0] - preempted_before,
+            "barrier_reached": barrier_reached,
+            # Preemptions from the barrier's release to the phase's end.
+            "preemptions_after_barrier": None if preempted_at_barrier is None
+            else preemptions[0] - preempted_at_barrier,
         })
+        if phase.get("done_file"):
+            open(phase["done_file"], "w").close()
     stop.set()
     result = {
         "init_s": init_s,
@@ -88,6 +152,33 @@ def main() -> None:
     with open(out_path, "w") as f:
         json.dump(result, f)
     del llm
+
+
+def stepped(llm: Any, prompts: list[list[int]], sp: Any, barrier: dict[str, Any], tenant: str | None,
+            pool: Any, preemptions: list[int]) -> tuple[list[list[int]], int | None]:
+    """Generate by stepping the engine, parking once at the barrier (see the
+    module doc); returns the tokens and the preemption count at the barrier's
+    release (``None``: never reached)."""
+    assert pool is not None and tenant, "a barrier needs the pool and the tenant"
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"barrier-{i}-", {"prompt_token_ids": p}, sp)
+    done: dict[int, list[int]] = {}  # by prompt index (vLLM may suffix the ids)
+    reached: int | None = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id.split("-")[1])] = list(out.outputs[0].token_ids)
+        if reached is None and engine.has_unfinished_requests():
+            mine = sum(t.committed_bytes for t in pool.snapshot().tenants if t.name == tenant)
+            if mine >= barrier["committed_bytes"]:
+                open(barrier["ready_file"], "w").close()
+                while not os.path.exists(barrier["go_file"]):
+                    time.sleep(0.01)
+                reached = preemptions[0]
+    if reached is None:
+        open(barrier["ready_file"], "w").close()  # never reached: let the waiter see it and fail
+    return [done[i] for i in range(len(prompts))], reached
 
 
 if __name__ == "__main__":
