@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from ._demo_clock import RealClock
 from ._demo_traces import Request
 from .manager import KVCacheManager
 
@@ -55,15 +56,16 @@ class Scheduler:
     :meth:`act_on_lending` at the start of every step.
     """
 
-    def __init__(self, index: int, manager: KVCacheManager, now: Callable[[], float]) -> None:
+    def __init__(self, index: int, manager: KVCacheManager, clock: RealClock) -> None:
         self.index = index
         self.m = manager
-        self.now = now
+        self.clock = clock  # its times: floats (real) or integer nanoseconds (virtual)
         # None: the peers live in other processes (see the module docstring).
         self.peers: Sequence[Scheduler] | None = None
         self.pending: deque[Request] = deque()  # waiting for memory, in admission order
         self.finished: list[Request] = []
-        self.wait_s = 0.0
+        self._wait = 0.0  # in the clock's unit: exact sums on the virtual clock
+        self._rewait = 0.0  # the part spent waiting again after a preemption
         self.tokens = 0
         self.preemptions = 0
         self.recomputed_tokens = 0  # prompt and generated tokens prefilled again after a preemption
@@ -76,6 +78,24 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         return len(self.pending)
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds requests waited for memory: from joining the queue to the grant, every time."""
+        return self.clock.seconds(self._wait)
+
+    @property
+    def preempted_wait_s(self) -> float:
+        """The part of :attr:`wait_s` that preempted requests spent waiting again."""
+        return self.clock.seconds(self._rewait)
+
+    def report(self) -> dict[str, Any]:
+        """This engine's raw figures, as :func:`kvpool.demo.summarize` takes them."""
+        return {"engine": self.index, "ttft": [self.clock.seconds(r.first_token - r.arrived) for r in self.finished],
+                "requests": len(self.finished), "tokens": self.tokens, "wait_s": self.wait_s,
+                "preempted_wait_s": self.preempted_wait_s, "preemptions": self.preemptions,
+                "recomputed_tokens": self.recomputed_tokens, "peak_committed_bytes": self.peak_committed,
+                "outputs": {r.rid: r.output for r in self.finished}}
 
     # ---------------------------------------------------------- admission
     async def run(self, trace: list[Request], t0: float) -> None:
@@ -97,10 +117,9 @@ class Scheduler:
 
     async def _arrive(self, trace: list[Request], t0: float) -> None:
         for r in trace:
-            delay = t0 + r.arrival - self.now()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            r.arrived = r.queued = t0 + r.arrival
+            at = self.clock.at(t0, r.arrival)
+            await self.clock.sleep_until(at)
+            r.arrived = r.queued = at
             self.pending.append(r)
             self._queued.set()
 
@@ -125,9 +144,11 @@ class Scheduler:
             self._head_moved = False
             # A preemption may have queued requests ahead of r after its grant.
             self.pending.remove(r)
-            now = self.now()
+            now = self.clock.now()
             r.admitted = now
-            self.wait_s += now - r.queued
+            self._wait += now - r.queued
+            if r.preemptions:
+                self._rewait += now - r.queued
             # Committed bytes only grow at a grant: sampling here sees every peak.
             self.peak_committed = max(self.peak_committed, self.m.stats().committed_bytes)
             self._started(r, ids)
@@ -151,7 +172,7 @@ class Scheduler:
             self.m.free(ids)
             self.preemptions += 1
             r.preemptions += 1
-            r.queued = self.now()
+            r.queued = self.clock.now()
             self.pending.appendleft(r)  # ahead of every request not yet admitted, as vLLM does
             if self._alloc is not None:  # the admitter waits for a later request: ask for r first
                 self._head_moved = True

@@ -64,6 +64,7 @@ from typing import Any
 
 import numpy as np
 
+from ._demo_clock import NanoClock
 from ._demo_sched import Scheduler
 from ._demo_traces import BLOCK_TOKENS, Request, make_trace
 from .demo import COMMIT_BYTES_PER_BLOCK, summarize
@@ -111,7 +112,8 @@ class VirtualEngine(Scheduler):
     """One engine's scheduler loop, stepping on the virtual clock."""
 
     def __init__(self, index: int, manager: KVCacheManager, steps: StepModel, device: asyncio.Lock) -> None:
-        super().__init__(index, manager, asyncio.get_running_loop().time)
+        self.nano = NanoClock()  # exact spans: see VirtualClockLoop
+        super().__init__(index, manager, self.nano)
         self.steps = steps
         self.device = device  # held for a whole step; shared by every engine when compute is shared
         self.incoming: list[tuple[Request, Any]] = []  # admitted, joining at the next step
@@ -148,16 +150,15 @@ class VirtualEngine(Scheduler):
         return r, ids
 
     async def serve(self, total: int) -> None:
-        loop = asyncio.get_running_loop()
         while len(self.finished) < total:
             if not self.batch and not self.incoming:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
             async with self.device:  # asyncio.Lock is FIFO: the engines take turns, deterministically
-                await self._step(loop)
+                await self._step()
 
-    async def _step(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _step(self) -> None:
         """One iteration of the real engine's loop: preempt if lending, prefill, emit, free, decode."""
         self.act_on_lending()
         new, self.incoming = self.incoming, []
@@ -165,11 +166,11 @@ class VirtualEngine(Scheduler):
             # A preempted request is prefilled again with what it generated.
             redo = sum(r.prompt_len + r.generated for r, _ in new if r.preemptions)
             self.recomputed_tokens += redo
-            await asyncio.sleep(self.steps.prefill(len(new), sum(r.prompt_len + r.generated for r, _ in new)))
+            await self.nano.sleep(self.steps.prefill(len(new), sum(r.prompt_len + r.generated for r, _ in new)))
             self.batch += new
             self.context = np.concatenate([self.context, [r.prompt_len + r.generated for r, _ in new]])
             self.left = np.concatenate([self.left, [r.new_tokens - r.generated for r, _ in new]])
-        now = loop.time()
+        now = self.nano.now()
         for r, _ in new:
             if not r.generated:
                 r.first_token = now
@@ -190,7 +191,7 @@ class VirtualEngine(Scheduler):
             # The decode step writes one token per sequence and reads all of its K/V.
             self.context += 1
             kv_blocks = int(((self.context + BLOCK_TOKENS - 1) // BLOCK_TOKENS).sum())
-            await asyncio.sleep(self.steps.decode(len(self.batch), kv_blocks))
+            await self.nano.sleep(self.steps.decode(len(self.batch), kv_blocks))
 
 
 async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Request],
@@ -234,7 +235,8 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
                 await asyncio.sleep(args.duration / 100)
 
         mon = asyncio.create_task(monitor())
-        tasks = [asyncio.create_task(eng.run(mine[eng.index], t0)) for eng in engines]
+        t0_ns = NanoClock().now()
+        tasks = [asyncio.create_task(eng.run(mine[eng.index], t0_ns)) for eng in engines]
         # A run that cannot finish (an alloc no free will satisfy) ends here
         # instead of advancing the clock forever behind the monitor.
         horizon = 1000 * args.duration
@@ -251,10 +253,7 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
         except asyncio.CancelledError:
             pass
         return summarize(mode, args, elapsed, timeline, [
-            {"engine": eng.index, "ttft": [r.first_token - r.arrived for r in eng.finished],
-             "requests": len(eng.finished), "tokens": eng.tokens, "wait_s": eng.wait_s,
-             "peak_committed_bytes": eng.peak_committed * to_real, "preemptions": eng.preemptions,
-             "recomputed_tokens": eng.recomputed_tokens, "outputs": {r.rid: [] for r in eng.finished}}
+            eng.report() | {"peak_committed_bytes": eng.peak_committed * to_real}
             for eng in engines
         ])
     finally:

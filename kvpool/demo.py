@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ._demo_clock import RealClock
 from ._demo_model import (BLOCK_BYTES, HEAD_DIM, HEADS, LAYERS, ContiguousKV, PagedKV, TinyDecoder,
                           greedy)
 from ._demo_sched import Scheduler
@@ -60,7 +61,7 @@ class Engine(Scheduler):
     """The real engine: continuous batching over kvpool tensors (admission and preemption: Scheduler)."""
 
     def __init__(self, index: int, manager: KVCacheManager, model: TinyDecoder) -> None:
-        super().__init__(index, manager, time.perf_counter)
+        super().__init__(index, manager, RealClock())
         self.model = model
         self.caches = manager.tensors(torch.float32, (BLOCK_TOKENS, HEADS, HEAD_DIM))
         self.running: list[Running] = []
@@ -166,10 +167,7 @@ async def run_mode(mode: str, args: argparse.Namespace, trace: list[Request], mo
         except asyncio.CancelledError:
             pass
         return summarize(mode, args, elapsed, timeline, [
-            {"engine": eng.index, "ttft": [r.first_token - r.arrived for r in eng.finished],
-             "requests": len(eng.finished), "tokens": eng.tokens, "wait_s": eng.wait_s,
-             "peak_committed_bytes": max(peak[eng.index], eng.peak_committed), "preemptions": eng.preemptions,
-             "recomputed_tokens": eng.recomputed_tokens, "outputs": {r.rid: r.output for r in eng.finished}}
+            eng.report() | {"peak_committed_bytes": max(peak[eng.index], eng.peak_committed)}
             for eng in engines
         ])
     finally:
@@ -188,6 +186,7 @@ def summarize(mode: str, args: argparse.Namespace, elapsed: float, timeline: lis
         "ttft_p99_s": _pct(r["ttft"], 99), "wait_s": r["wait_s"],
         "peak_committed_bytes": r["peak_committed_bytes"],
         "preemptions": r["preemptions"], "recomputed_tokens": r["recomputed_tokens"],
+        "preempted_wait_s": r["preempted_wait_s"],
     } for r in raw]
     all_ttft = [t for r in raw for t in r["ttft"]]
     return {
@@ -200,6 +199,7 @@ def summarize(mode: str, args: argparse.Namespace, elapsed: float, timeline: lis
         "ttft_p50_s": _pct(all_ttft, 50), "ttft_p99_s": _pct(all_ttft, 99),
         "wait_s": sum(p["wait_s"] for p in per_engine),
         "preemptions": sum(p["preemptions"] for p in per_engine),
+        "preempted_wait_s": sum(p["preempted_wait_s"] for p in per_engine),
         "recomputed_tokens": sum(p["recomputed_tokens"] for p in per_engine),
         "engines": per_engine, "timeline": timeline,
         "outputs": {rid: out for r in raw for rid, out in r["outputs"].items()},
@@ -291,11 +291,7 @@ async def worker(mode: str, index: int, pool_name: str, args: argparse.Namespace
     mon.cancel()
     peak = max(peak, m.stats().committed_bytes, eng.peak_committed)
     await m.aclose()
-    json.dump({"engine": index, "ttft": [r.first_token - r.arrived for r in eng.finished],
-               "requests": len(eng.finished), "tokens": eng.tokens, "wait_s": eng.wait_s,
-               "peak_committed_bytes": peak, "preemptions": eng.preemptions,
-               "recomputed_tokens": eng.recomputed_tokens, "outputs": {r.rid: r.output for r in eng.finished},
-               "end": end}, sys.stdout)
+    json.dump(eng.report() | {"peak_committed_bytes": peak, "end": end}, sys.stdout)
 
 
 def check_correctness(model: TinyDecoder, trace: list[Request], outputs: dict[str, list[int]],
