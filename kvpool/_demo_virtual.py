@@ -14,9 +14,13 @@ engine sleeps, on a virtual clock (:mod:`kvpool._demo_clock`), for
 with the constants of :class:`StepModel`, measured on the 2-core machine the
 demo was developed on with the real engines (one torch thread, the minimum
 of 15 repeats per batch shape, two runs; ``scripts/demo_step_model.py``
-re-measures them). The engines follow the real ones' loop: prefill the
+re-measures them). The engines follow the real ones' loop: preempt while
+lending (:mod:`kvpool._demo_sched`; a preempted request's prompt and the
+tokens it generated are prefilled again, at the prefill rate), prefill the
 newcomers, emit one token for every running request (the newcomers' first),
-free the finished, one batched decode step for the rest.
+free the finished, one batched decode step for the rest. Times are integer
+nanoseconds (:class:`kvpool._demo_clock.NanoClock`), so equal spans compare
+equal in both modes.
 
 Compute (``--compute``): ``shared`` (the default) runs one engine step at a
 time on one device, in the order the engines ask for it (FIFO), as the real
