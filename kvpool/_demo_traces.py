@@ -46,10 +46,13 @@ class Request:
     new_tokens: int
     token_seed: int  # the prompt's token ids are drawn from it only when an engine reads them
     arrived: float = 0.0  # the engine's clock at arrival
-    admitted: float = 0.0
+    queued: float = 0.0  # when it last joined its engine's queue (arrival, or its latest preemption)
+    admitted: float = 0.0  # its latest grant
     first_token: float = 0.0
     done: float = 0.0
     output: list[int] = field(default_factory=list)
+    generated: int = 0  # tokens emitted so far (the virtual clock's count; a preemption keeps them)
+    preemptions: int = 0
 
     @functools.cached_property
     def prompt(self) -> list[int]:

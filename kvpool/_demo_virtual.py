@@ -14,9 +14,13 @@ engine sleeps, on a virtual clock (:mod:`kvpool._demo_clock`), for
 with the constants of :class:`StepModel`, measured on the 2-core machine the
 demo was developed on with the real engines (one torch thread, the minimum
 of 15 repeats per batch shape, two runs; ``scripts/demo_step_model.py``
-re-measures them). The engines follow the real ones' loop: prefill the
+re-measures them). The engines follow the real ones' loop: preempt while
+lending (:mod:`kvpool._demo_sched`; a preempted request's prompt and the
+tokens it generated are prefilled again, at the prefill rate), prefill the
 newcomers, emit one token for every running request (the newcomers' first),
-free the finished, one batched decode step for the rest.
+free the finished, one batched decode step for the rest. Times are integer
+nanoseconds (:class:`kvpool._demo_clock.NanoClock`), so equal spans compare
+equal in both modes.
 
 Compute (``--compute``): ``shared`` (the default) runs one engine step at a
 time on one device, in the order the engines ask for it (FIFO), as the real
@@ -64,6 +68,8 @@ from typing import Any
 
 import numpy as np
 
+from ._demo_clock import NanoClock
+from ._demo_sched import Scheduler
 from ._demo_traces import BLOCK_TOKENS, Request, make_trace
 from .demo import COMMIT_BYTES_PER_BLOCK, summarize
 from .geometry import Geometry
@@ -106,84 +112,72 @@ class StepModel:
         return self.decode_s + sequences * self.decode_seq_s + kv_blocks * self.kv_block_s
 
 
-class VirtualEngine:
+class VirtualEngine(Scheduler):
     """One engine's scheduler loop, stepping on the virtual clock."""
 
     def __init__(self, index: int, manager: KVCacheManager, steps: StepModel, device: asyncio.Lock) -> None:
-        self.index = index
-        self.m = manager
+        self.nano = NanoClock()  # exact spans: see VirtualClockLoop
+        super().__init__(index, manager, self.nano)
         self.steps = steps
         self.device = device  # held for a whole step; shared by every engine when compute is shared
-        self.peers: list[VirtualEngine] = []  # the others, in the order they are polled after a free
         self.incoming: list[tuple[Request, Any]] = []  # admitted, joining at the next step
         # The running batch, as parallel arrays (a step touches them all at once).
         self.batch: list[tuple[Request, Any]] = []
         self.context = np.empty(0, dtype=np.int64)  # tokens whose K/V the next decode reads
         self.left = np.empty(0, dtype=np.int64)     # tokens still to generate
-        self.waiting = 0
-        self.finished: list[Request] = []
-        self.wait_s = 0.0
-        self.tokens = 0
-        self.peak_committed = 0
-        self.wake = asyncio.Event()
 
     @property
     def running(self) -> list[tuple[Request, Any]]:  # what the live table counts
         return self.batch + self.incoming
 
-    async def admit(self, trace: list[Request], t0: float) -> None:
-        """Admit this engine's requests in arrival order, waiting for memory."""
-        loop = asyncio.get_running_loop()
-        for r in trace:
-            delay = t0 + r.arrival - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            r.arrived = t0 + r.arrival
-            self.waiting += 1
-            ids = await self.m.alloc(r.blocks)  # the real wait queue
-            self.waiting -= 1
-            r.admitted = loop.time()
-            self.wait_s += r.admitted - r.arrived
-            # Committed bytes only grow at a grant: sampling here sees every peak.
-            self.peak_committed = max(self.peak_committed, self.m.stats().committed_bytes)
-            self.incoming.append((r, ids))
-            self.wake.set()
-            # A grant can change what the others may take without freeing
-            # anything (under a fair-share policy a tenant that reached its
-            # guarantee stops making the others lend), so they re-check too.
-            self._poll_peers()
+    def _started(self, r: Request, ids: Any) -> None:
+        self.incoming.append((r, ids))
+
+    def _after_grant(self) -> None:
+        # A grant can change what the others may take without freeing
+        # anything (a tenant that reached its guarantee stops making the
+        # others lend), so they re-check too.
+        self.poll_peers()
 
     def _free(self, ids: Any) -> None:
         self.m.free(ids)  # own waiters first: the manager's in-process hand-off
-        self._poll_peers()
+        self.poll_peers()
 
-    def _poll_peers(self) -> None:
-        # Synchronously, in a fixed order: what the native watcher's eventfd
-        # would tell them later, at a time the virtual clock cannot see.
-        for peer in self.peers:
-            peer.m.poll()
+    def _take_newest(self) -> tuple[Request, Any] | None:
+        if self.incoming:  # admitted last, not prefilled yet
+            return self.incoming.pop()
+        if not self.batch:
+            return None
+        r, ids = self.batch.pop()
+        r.generated = r.new_tokens - int(self.left[-1])
+        self.context, self.left = self.context[:-1], self.left[:-1]
+        return r, ids
 
     async def serve(self, total: int) -> None:
-        loop = asyncio.get_running_loop()
         while len(self.finished) < total:
             if not self.batch and not self.incoming:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
             async with self.device:  # asyncio.Lock is FIFO: the engines take turns, deterministically
-                await self._step(loop)
+                await self._step()
 
-    async def _step(self, loop: asyncio.AbstractEventLoop) -> None:
-        """One iteration of the real engine's loop: prefill, emit, free, decode."""
+    async def _step(self) -> None:
+        """One iteration of the real engine's loop: preempt if lending, prefill, emit, free, decode."""
+        self.act_on_lending()
         new, self.incoming = self.incoming, []
         if new:
-            await asyncio.sleep(self.steps.prefill(len(new), sum(r.prompt_len for r, _ in new)))
+            # A preempted request is prefilled again with what it generated.
+            redo = sum(r.prompt_len + r.generated for r, _ in new if r.preemptions)
+            self.recomputed_tokens += redo
+            await self.nano.sleep(self.steps.prefill(len(new), sum(r.prompt_len + r.generated for r, _ in new)))
             self.batch += new
-            self.context = np.concatenate([self.context, [r.prompt_len for r, _ in new]])
-            self.left = np.concatenate([self.left, [r.new_tokens for r, _ in new]])
-        now = loop.time()
+            self.context = np.concatenate([self.context, [r.prompt_len + r.generated for r, _ in new]])
+            self.left = np.concatenate([self.left, [r.new_tokens - r.generated for r, _ in new]])
+        now = self.nano.now()
         for r, _ in new:
-            r.first_token = now
+            if not r.generated:
+                r.first_token = now
         self.tokens += len(self.batch)  # one token for every running request
         self.left -= 1
         done = self.left == 0
@@ -192,6 +186,7 @@ class VirtualEngine:
             for (r, ids), d in zip(self.batch, done):
                 if d:
                     r.done = now
+                    r.generated = r.new_tokens
                     self.finished.append(r)
                     self._free(ids)
             self.batch = [b for b, k in zip(self.batch, keep) if k]
@@ -200,7 +195,7 @@ class VirtualEngine:
             # The decode step writes one token per sequence and reads all of its K/V.
             self.context += 1
             kv_blocks = int(((self.context + BLOCK_TOKENS - 1) // BLOCK_TOKENS).sum())
-            await asyncio.sleep(self.steps.decode(len(self.batch), kv_blocks))
+            await self.nano.sleep(self.steps.decode(len(self.batch), kv_blocks))
 
 
 async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Request],
@@ -244,8 +239,8 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
                 await asyncio.sleep(args.duration / 100)
 
         mon = asyncio.create_task(monitor())
-        tasks = [asyncio.create_task(eng.admit(mine[eng.index], t0)) for eng in engines]
-        tasks += [asyncio.create_task(eng.serve(len(mine[eng.index]))) for eng in engines]
+        t0_ns = NanoClock().now()
+        tasks = [asyncio.create_task(eng.run(mine[eng.index], t0_ns)) for eng in engines]
         # A run that cannot finish (an alloc no free will satisfy) ends here
         # instead of advancing the clock forever behind the monitor.
         horizon = 1000 * args.duration
@@ -262,9 +257,7 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
         except asyncio.CancelledError:
             pass
         return summarize(mode, args, elapsed, timeline, [
-            {"engine": eng.index, "ttft": [r.first_token - r.arrived for r in eng.finished],
-             "requests": len(eng.finished), "tokens": eng.tokens, "wait_s": eng.wait_s,
-             "peak_committed_bytes": eng.peak_committed * to_real, "outputs": {r.rid: [] for r in eng.finished}}
+            eng.report() | {"peak_committed_bytes": eng.peak_committed * to_real}
             for eng in engines
         ])
     finally:

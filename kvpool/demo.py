@@ -5,9 +5,12 @@ whose keys and values live in kvpool tensors, addressed through per-request
 block tables. The engines serve a bursty request trace concurrently on one
 asyncio loop; each request is admitted with ``await alloc(blocks)`` for its
 prompt plus its generation budget, so a burst *waits* for memory instead of
-failing. The same trace is then served again with every engine capped at an
-equal slice of the same pool (``set_limit(pool / engines)``): the static split
-engines use today. The summary compares the two runs; the ratio is
+failing. While the pool makes an engine lend (it holds more than its
+guarantee while a neighbour below its own waits), the engine preempts its
+newest requests as vLLM does when its cache is full: frees their blocks and
+recomputes them later (:mod:`kvpool._demo_sched`). The same trace is then
+served again with every engine capped at an equal slice of the same pool
+(``set_limit(pool / engines)``): the static split engines use today. The summary compares the two runs; the ratio is
 elastic / static.
 
 Each engine computes with one torch thread: with two, elastic's larger
@@ -35,8 +38,10 @@ from typing import Any
 
 import torch
 
+from ._demo_clock import RealClock
 from ._demo_model import (BLOCK_BYTES, HEAD_DIM, HEADS, LAYERS, ContiguousKV, PagedKV, TinyDecoder,
                           greedy)
+from ._demo_sched import Scheduler
 from ._demo_traces import BLOCK_TOKENS, SHAPES, Request, make_trace
 from .geometry import Geometry
 from .manager import KVCacheManager
@@ -49,49 +54,43 @@ TORCH_THREADS = 1  # per engine; see the module docstring
 
 # -------------------------------------------------------------------- engine
 
-class Engine:
+Running = tuple[Request, Any, torch.Tensor, PagedKV, torch.Tensor | None]  # ..., logits (None: to prefill)
+
+
+class Engine(Scheduler):
+    """The real engine: continuous batching over kvpool tensors (admission and preemption: Scheduler)."""
+
     def __init__(self, index: int, manager: KVCacheManager, model: TinyDecoder) -> None:
-        self.index = index
-        self.m = manager
+        super().__init__(index, manager, RealClock())
         self.model = model
         self.caches = manager.tensors(torch.float32, (BLOCK_TOKENS, HEADS, HEAD_DIM))
-        self.queue: asyncio.Queue[Request] = asyncio.Queue()
-        self.running: list[tuple[Request, Any, torch.Tensor, PagedKV, torch.Tensor | None]] = []
-        self.waiting = 0
-        self.finished: list[Request] = []
-        self.wait_s = 0.0
-        self.tokens = 0
-        self.wake = asyncio.Event()
+        self.running: list[Running] = []
 
-    async def admit(self, trace: list[Request], t0: float) -> None:
-        """Admit this engine's requests in arrival order, waiting for memory."""
-        for r in trace:
-            delay = t0 + r.arrival - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            r.arrived = t0 + r.arrival
-            self.waiting += 1
-            ids = await self.m.alloc(r.blocks)  # backpressure: a burst waits here
-            self.waiting -= 1
-            r.admitted = time.perf_counter()
-            # From arrival, not from this alloc call: a request queued behind
-            # an earlier one in this loop waits for memory all that time too.
-            self.wait_s += r.admitted - r.arrived
-            blocks = torch.from_numpy(ids)
-            self.running.append((r, ids, blocks, PagedKV(self.caches, blocks), None))
-            self.wake.set()
+    def _started(self, r: Request, ids: Any) -> None:
+        blocks = torch.from_numpy(ids)
+        self.running.append((r, ids, blocks, PagedKV(self.caches, blocks), None))
+
+    def _take_newest(self) -> tuple[Request, Any] | None:
+        if not self.running:
+            return None
+        r, ids, *_ = self.running.pop()
+        return r, ids
 
     async def serve(self, total: int) -> None:
-        """Continuous batching: prefill newcomers, then one decode step for everyone."""
+        """Continuous batching: preempt if lending, prefill newcomers, then one decode step for everyone."""
         while len(self.finished) < total:
             if not self.running:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
+            self.act_on_lending()
             for i, (r, ids, blocks, kv, logits) in enumerate(self.running):
-                if logits is None:  # prefill
-                    self.running[i] = (r, ids, blocks, kv, self.model.forward(torch.tensor(r.prompt), 0, kv))
-            still: list[tuple[Request, Any, torch.Tensor, PagedKV, torch.Tensor | None]] = []
+                if logits is None:  # prefill; after a preemption, of the prompt and what it generated
+                    if r.preemptions:
+                        self.recomputed_tokens += len(r.prompt) + len(r.output)
+                    logits = self.model.forward(torch.tensor(r.prompt + r.output), 0, kv)
+                    self.running[i] = (r, ids, blocks, kv, logits)
+            still: list[Running] = []
             for r, ids, blocks, kv, logits in self.running:
                 assert logits is not None
                 tok = int(logits.argmax())
@@ -157,8 +156,9 @@ async def run_mode(mode: str, args: argparse.Namespace, trace: list[Request], mo
                 await asyncio.sleep(0.1)
 
         mon = asyncio.create_task(monitor())
-        tasks = [asyncio.create_task(eng.admit(mine[eng.index], t0)) for eng in engines]
-        tasks += [asyncio.create_task(eng.serve(len(mine[eng.index]))) for eng in engines]
+        for eng in engines:  # one process: a preemption hands its blocks to the others at once
+            eng.peers = [p for p in engines if p is not eng]
+        tasks = [asyncio.create_task(eng.run(mine[eng.index], t0)) for eng in engines]
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - t0
         mon.cancel()
@@ -167,9 +167,7 @@ async def run_mode(mode: str, args: argparse.Namespace, trace: list[Request], mo
         except asyncio.CancelledError:
             pass
         return summarize(mode, args, elapsed, timeline, [
-            {"engine": eng.index, "ttft": [r.first_token - r.arrived for r in eng.finished],
-             "requests": len(eng.finished), "tokens": eng.tokens, "wait_s": eng.wait_s,
-             "peak_committed_bytes": peak[eng.index], "outputs": {r.rid: r.output for r in eng.finished}}
+            eng.report() | {"peak_committed_bytes": max(peak[eng.index], eng.peak_committed)}
             for eng in engines
         ])
     finally:
@@ -187,6 +185,8 @@ def summarize(mode: str, args: argparse.Namespace, elapsed: float, timeline: lis
         "tokens_per_s": r["tokens"] / elapsed, "ttft_p50_s": _pct(r["ttft"], 50),
         "ttft_p99_s": _pct(r["ttft"], 99), "wait_s": r["wait_s"],
         "peak_committed_bytes": r["peak_committed_bytes"],
+        "preemptions": r["preemptions"], "recomputed_tokens": r["recomputed_tokens"],
+        "preempted_wait_s": r["preempted_wait_s"],
     } for r in raw]
     all_ttft = [t for r in raw for t in r["ttft"]]
     return {
@@ -198,6 +198,9 @@ def summarize(mode: str, args: argparse.Namespace, elapsed: float, timeline: lis
         "tokens_per_s": sum(p["tokens"] for p in per_engine) / elapsed,
         "ttft_p50_s": _pct(all_ttft, 50), "ttft_p99_s": _pct(all_ttft, 99),
         "wait_s": sum(p["wait_s"] for p in per_engine),
+        "preemptions": sum(p["preemptions"] for p in per_engine),
+        "preempted_wait_s": sum(p["preempted_wait_s"] for p in per_engine),
+        "recomputed_tokens": sum(p["recomputed_tokens"] for p in per_engine),
         "engines": per_engine, "timeline": timeline,
         "outputs": {rid: out for r in raw for rid, out in r["outputs"].items()},
     }
@@ -283,15 +286,12 @@ async def worker(mode: str, index: int, pool_name: str, args: argparse.Namespace
             await asyncio.sleep(0.05)
 
     mon = asyncio.create_task(monitor())
-    await asyncio.gather(eng.admit(trace, t0), eng.serve(len(trace)))
+    await eng.run(trace, t0)  # eng.peers stays None: the others are in other processes
     end = time.perf_counter()
     mon.cancel()
-    peak = max(peak, m.stats().committed_bytes)
+    peak = max(peak, m.stats().committed_bytes, eng.peak_committed)
     await m.aclose()
-    json.dump({"engine": index, "ttft": [r.first_token - r.arrived for r in eng.finished],
-               "requests": len(eng.finished), "tokens": eng.tokens, "wait_s": eng.wait_s,
-               "peak_committed_bytes": peak, "outputs": {r.rid: r.output for r in eng.finished},
-               "end": end}, sys.stdout)
+    json.dump(eng.report() | {"peak_committed_bytes": peak, "end": end}, sys.stdout)
 
 
 def check_correctness(model: TinyDecoder, trace: list[Request], outputs: dict[str, list[int]],
@@ -452,6 +452,8 @@ async def main_async(args: argparse.Namespace) -> int:
             f"elastic / static: throughput {rat['tokens_per_s']:.2f}x, TTFT p50 {rat['ttft_p50']:.2f}x, "
             f"TTFT p99 {rat['ttft_p99']:.2f}x, time waiting for memory {rat['wait']:.2f}x "
             "(below 1 is better for TTFT and waiting)")
+        console.print(f"preemptions while lending (elastic): {results['elastic']['preemptions']}, "
+                      f"{results['elastic']['recomputed_tokens']} tokens prefilled again")
         if virtual:
             console.print(f"correctness: not checked (the virtual clock computes no tokens); both modes served "
                           f"the same requests: {'yes' if served_same else 'NO'}; plot: {args.plot}")
