@@ -305,7 +305,7 @@ class Ledger:
     @property
     def generation(self) -> int: ...
 
-    def snapshot(self, arg: bool, /) -> LedgerSnapshot:
+    def snapshot(self) -> LedgerSnapshot:
         """
         Every live tenant in one pass (lock-free; never waits for another process).
         """

@@ -106,11 +106,13 @@ def open_pool(name: str) -> Pool:
 def _pool_row(name: str) -> dict[str, Any]:
     try:
         pool = Pool(name, create=False)
-        tenants = pool.tenants()  # reaps dead tenants: what is left is alive
+        pool.reap()  # what is left is alive
+        snap = pool.snapshot()  # one read: the total is the sum of these rows
+        tenants = snap.tenants
     except (KVPoolError, OSError) as e:  # another user's pool (0600), another ledger layout, ...
         return {"name": name, "capacity": None, "committed": None, "tenants": None, "stale": None,
                 "error": str(e)}
-    return {"name": name, "capacity": pool.capacity, "committed": pool.committed, "tenants": len(tenants),
+    return {"name": name, "capacity": snap.capacity, "committed": snap.committed, "tenants": len(tenants),
             "stale": not tenants}
 
 

@@ -303,8 +303,8 @@ class Pool:
 
     @property
     def committed(self) -> int:
-        """Bytes claimed by every live tenant together."""
-        return int(self._ledger.snapshot().claimed_total)
+        """Bytes claimed by every live tenant together (the sum of the snapshot's rows)."""
+        return self.snapshot().committed
 
     def snapshot(self) -> PoolSnapshot:
         """Capacity, total and tenants from one read of the ledger (never waits on a tenant)."""
@@ -321,7 +321,9 @@ class Pool:
                 guarantee_revision=r.guarantee_revision, borrowed_bytes=max(0, r.claimed - g),
                 want_bytes=r.want, lending=bool(r.lending), visible=bool(r.visible),
             ))
-        return PoolSnapshot(self.name, int(snap.capacity), int(snap.claimed_total), tenants)
+        # The total is the sum of these rows (claims in flight, counted by
+        # the ledger's judges, are in neither).
+        return PoolSnapshot(self.name, int(snap.capacity), sum(t.committed_bytes for t in tenants), tenants)
 
     def tenants(self) -> list[TenantInfo]:
         """Live tenants (dead ones of this PID namespace are reaped first)."""

@@ -308,7 +308,7 @@ NB_MODULE(_native, m) {
         .def_prop_ro("name", &Ledger::name)
         .def_prop_ro("capacity", &Ledger::capacity)
         .def_prop_ro("generation", &Ledger::generation)
-        .def("snapshot", &Ledger::snapshot, nb::call_guard<nb::gil_scoped_release>(),
+        .def("snapshot", [](const Ledger& l) { return l.snapshot(true); }, nb::call_guard<nb::gil_scoped_release>(),
              "Every live tenant in one pass (lock-free; never waits for another process).")
         .def(
             "set_setting",
@@ -319,17 +319,8 @@ NB_MODULE(_native, m) {
                     nb::gil_scoped_release nogil;
                     int slot = -1;
                     st = l.find_tenant(tenant, &slot);
-                    if (st.is_ok()) {
-                        if (revision < 0) {
-                            int64_t lim, lr, g, gr;
-                            if (!l.read_settings(slot, &lim, &lr, &g, &gr))
-                                st = Status::make(Code::Ledger, "the settings of tenant '" + tenant + "' are busy");
-                            revision = (guarantee ? gr : lr) + 1;
-                        }
-                        if (st.is_ok())
-                            st = guarantee ? l.set_guarantee(slot, bytes, revision, &r)
-                                           : l.set_limit(slot, bytes, revision, &r);
-                    }
+                    if (st.is_ok())
+                        st = guarantee ? l.set_guarantee(slot, bytes, revision, &r) : l.set_limit(slot, bytes, revision, &r);
                 }
                 return std::make_tuple(static_cast<int>(st.code), static_cast<int>(r), st.message);
             },

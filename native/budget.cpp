@@ -178,8 +178,8 @@ Status set_private(int64_t bytes, int64_t revision, int64_t* value, int64_t* rev
 Status Budget::set_limit(int64_t bytes, int64_t revision, LimitResult* result) {
     if (bytes < -1) return Status::make(Code::Invalid, "limit_bytes must be >= 0, or -1 for none");
     if (!ledger_) return set_private(bytes < 0 ? -1 : bytes, revision, &limit_bytes_, &limit_revision_, result);
-    if (revision < 0) revision = limit_revision_ + 1;
-    Status s = ledger_->set_limit(slot_, bytes, revision, result);
+    // revision -1 (the next one) is resolved by the ledger, inside its seqlock.
+    Status s = ledger_->set_limit(slot_, bytes, revision < 0 ? -1 : revision, result);
     if (s.is_ok()) refresh(true);
     return s;
 }
@@ -187,8 +187,7 @@ Status Budget::set_limit(int64_t bytes, int64_t revision, LimitResult* result) {
 Status Budget::set_guarantee(int64_t bytes, int64_t revision, LimitResult* result) {
     if (bytes < -1) return Status::make(Code::Invalid, "guarantee_bytes must be >= 0, or -1 for the default share");
     if (!ledger_) return Status::make(Code::Invalid, "a guarantee needs a pool: a private space has the whole budget");
-    if (revision < 0) revision = guarantee_revision_ + 1;
-    Status s = ledger_->set_guarantee(slot_, bytes, revision, result);
+    Status s = ledger_->set_guarantee(slot_, bytes, revision < 0 ? -1 : revision, result);
     if (s.is_ok()) refresh(true);
     return s;
 }

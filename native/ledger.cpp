@@ -24,6 +24,7 @@ namespace {
 constexpr auto kSeq = std::memory_order_seq_cst;
 constexpr int kClaimAttempts = 5;     // racing claims that saw each other retry this often
 constexpr int kSettingSpins = 20000;  // a seqlock writer inside for longer is stopped or dead
+constexpr int kReadSpins = 128;       // a reader gives up sooner and keeps its last settings
 
 long futex(std::atomic<uint32_t>* word, int op, uint32_t val, const struct timespec* ts) {
     // The generation word lives in MAP_SHARED memory: the shared futex ops.
@@ -246,10 +247,13 @@ void Ledger::wait_generation(uint32_t seen, double timeout_s) const {
 bool Ledger::read_settings(int slot, int64_t* limit, int64_t* limit_rev, int64_t* guarantee,
                            int64_t* guarantee_rev) const {
     const SlotSettings& s = hdr_->tenants[slot].settings;
-    for (int i = 0; i < kSettingSpins; ++i) {
+    // Readers retry briefly and otherwise keep what they had (a writer
+    // stopped inside must not slow every snapshot of the pool); only
+    // writers wait longer.
+    for (int i = 0; i < kReadSpins; ++i) {
         const uint64_t s1 = s.seq.load(std::memory_order_acquire);
         if (s1 & 1) {
-            if (i > 64) sched_yield();
+            if (i > 32) sched_yield();
             continue;
         }
         const int64_t l = s.limit.load(std::memory_order_relaxed), lr = s.limit_revision.load(std::memory_order_relaxed);
@@ -280,9 +284,10 @@ LedgerSnapshot Ledger::snapshot(bool names) const {
         r.pid = pid;
         r.visible = t.pidns.load(kSeq) == my_pidns_;
         if (names) r.name = sanitized_name(t.name);
-        r.claimed = std::max<int64_t>(0, t.claimed.load(kSeq));
-        r.pending = std::max<int64_t>(0, t.pending.load(kSeq));
-        r.want = std::max<int64_t>(0, t.want.load(kSeq));
+        // Clamped to [0, capacity]: a corrupted or hostile row must not wrap a sum.
+        r.claimed = std::clamp<int64_t>(t.claimed.load(kSeq), 0, s.capacity);
+        r.pending = std::clamp<int64_t>(t.pending.load(kSeq), 0, s.capacity);
+        r.want = std::clamp<int64_t>(t.want.load(kSeq), 0, s.capacity);
         r.wait_ticket = t.wait_ticket.load(kSeq);
         r.waiting = t.waiting.load(kSeq);
         r.limit_state = t.limit_state.load(kSeq);
@@ -379,6 +384,11 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
         st.guarantee_revision.store(0);
         st.seq.store(seq, std::memory_order_release);
         t.live.store(1, kSeq);
+        if (t.pid.load(kSeq) != me) {
+            // Reaped while registering (judged dead by a confused peer): the
+            // slot is not ours any more; take another.
+            continue;
+        }
         if (guarantee_bytes >= 0) {
             // Two tenants registering at once could both pass the check
             // above: re-check now that this one is published (SC: of two
@@ -424,6 +434,8 @@ void Ledger::unregister_tenant(int slot) {
     t.want.store(0);
     t.waiting.store(0);
     t.wait_ticket.store(0);
+    t.start_time.store(0);
+    t.pidns.store(0);
     t.pid.store(0, kSeq);
     bump_generation();
 }
@@ -441,6 +453,8 @@ bool Ledger::reap_slot(int slot) {
     t.waiting.store(0);
     t.wait_ticket.store(0);
     t.lending.store(0);
+    t.start_time.store(0);
+    t.pidns.store(0);
     t.pid.store(0, kSeq);
     return true;
 }
@@ -465,7 +479,11 @@ int Ledger::reap() {
         // Only tenants of this PID namespace: another namespace's pid 7 is
         // not our pid 7.
         if (t.pidns.load(kSeq) != my_pidns_ || my_pidns_ == 0) continue;
-        if (tenant_dead(pid, t.start_time.load())) reaped += reap_slot(i) ? 1 : 0;
+        // A slot still registering has no start time of its own yet: judge
+        // it only by its pid being gone.
+        const bool registering = t.live.load(kSeq) != 1;
+        const bool dead = registering ? (kill(pid, 0) != 0 && errno == ESRCH) : tenant_dead(pid, t.start_time.load());
+        if (dead) reaped += reap_slot(i) ? 1 : 0;
     }
     if (reaped) bump_generation();
     return reaped;
@@ -535,7 +553,9 @@ bool Ledger::quiet_free_bytes(int slot, int64_t* free_bytes) const {
         const TenantSlot& t = hdr_->tenants[i];
         if (t.pid.load(kSeq) <= 0 || t.live.load(kSeq) != 1) continue;
         if (i != slot && t.want.load(kSeq) > 0) return false;
-        used += std::max<int64_t>(0, t.claimed.load(kSeq)) + (i == slot ? 0 : std::max<int64_t>(0, t.pending.load(kSeq)));
+        const int64_t cap = hdr_->capacity;
+        used += std::clamp<int64_t>(t.claimed.load(kSeq), 0, cap) +
+                (i == slot ? 0 : std::clamp<int64_t>(t.pending.load(kSeq), 0, cap));
     }
     *free_bytes = hdr_->capacity - used;
     return true;
@@ -569,7 +589,9 @@ Status Ledger::write_setting(int slot, bool guarantee, int64_t bytes, int64_t re
     const char* what = guarantee ? "guarantee" : "limit";
     if (slot < 0 || slot >= kMaxTenants) return Status::make(Code::Invalid, "bad tenant slot");
     if (bytes < -1) return Status::make(Code::Invalid, std::string(what) + " must be >= 0 bytes, or -1 for none");
-    if (revision < 0 || revision > kMaxRevision)
+    // revision -1: the next one, read inside the seqlock (a setter racing an
+    // operator must not compute it from a stale copy and be judged stale).
+    if (revision < -1 || revision > kMaxRevision)
         return Status::make(Code::Invalid, std::string(what) + " revision must be in [0, 2**53], got " +
                                                std::to_string(revision));
     TenantSlot& t = hdr_->tenants[slot];
@@ -587,7 +609,12 @@ Status Ledger::write_setting(int slot, bool guarantee, int64_t bytes, int64_t re
     std::atomic<int64_t>& value = guarantee ? s.guarantee : s.limit;
     std::atomic<int64_t>& rev = guarantee ? s.guarantee_revision : s.limit_revision;
     const int64_t cur = rev.load(kSeq);
+    if (revision < 0) revision = cur + 1;
     Status st = Status::ok();
+    if (revision > kMaxRevision) {
+        s.seq.store(seq + 2, std::memory_order_release);
+        return Status::make(Code::Invalid, std::string(what) + " revision would pass 2**53");
+    }
     if (revision < cur) *result = LimitResult::Stale;
     else if (revision == cur) *result = value.load(kSeq) == bytes ? LimitResult::Same : LimitResult::Conflict;
     else {

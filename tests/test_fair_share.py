@@ -513,12 +513,6 @@ def test_waiters_are_granted_furthest_below_their_guarantee_first(equal: bool, p
 # =============================================================================
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: a tenant that waits while at/above its guarantee and then drops below it by its own frees does not "
-    "wake the pool: Ledger::release bumps the generation only if *another* tenant waits (anyone_waiting(slot) "
-    "skips the releaser) and Ledger::publish_want only on a 0 <-> non-0 change, so every borrower keeps its "
-    "cached lending=False (Budget::refresh runs only when the generation moved) and re-allocs on its partly "
-    "used pages while the waiter stays below its guarantee"))
 def test_a_borrower_lends_as_soon_as_a_waiting_tenant_drops_below_its_guarantee(pool_name: str) -> None:
     pool = Pool(pool_name, capacity=POOL_PAGES * PCB)
     w = _space(pool, "w", guarantee_bytes=4 * PCB)
@@ -545,9 +539,6 @@ def test_a_borrower_lends_as_soon_as_a_waiting_tenant_drops_below_its_guarantee(
         lender.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bug: KVSpace(guarantee_bytes=) that does not fit raises LedgerError (bindings.cpp create_space turns every "
-    "register_tenant failure into Code::Ledger) where Pool.set_guarantee raises ValueError for the same cause"))
 def test_a_guarantee_that_does_not_fit_is_the_same_error_at_construction_and_when_set(pool_name: str) -> None:
     pool = Pool(pool_name, capacity=4 * PCB)
     a = _space(pool, "a", guarantee_bytes=3 * PCB)

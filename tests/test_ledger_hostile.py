@@ -268,9 +268,6 @@ def test_a_ledger_whose_slots_are_random_bytes_is_read_without_hanging(pool_name
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="BUG: LedgerSnapshot::claimed_total and judge_share sum unbounded row "
-                   "figures: two corrupted live rows of INT64_MAX wrap the total to -2 and every claim fits "
-                   "(native/ledger.cpp snapshot(): clamp claimed/pending/want to [0, capacity])")
 def test_corrupted_rows_claiming_more_than_the_capacity_never_make_room(pool_name: str) -> None:
     # D9, bounds: rows another namespace owns are never reaped here, so what
     # they claim is believed; a row claiming more than the whole capacity is
@@ -320,16 +317,7 @@ def test_a_settings_seqlock_left_odd_fails_writers_quickly_and_the_owner_keeps_a
 # ------------------------------------------------------ D12: one-read snapshot
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("reader", [
-    # Not strict: the churner's pending claim is caught in a read only in some
-    # runs; test_a_pending_claim_is_in_the_total_exactly_as_in_its_row pins the
-    # same bug deterministically (strict). Drop this mark when that one passes.
-    pytest.param("Pool.snapshot", marks=pytest.mark.xfail(strict=False, reason=(
-        "BUG (racy here): Pool.snapshot().committed counts pending claims, its rows do not"))),
-    pytest.param("kvpool top --json", marks=pytest.mark.xfail(strict=True, reason=(
-        "BUG: kvpool/cli.py _snapshot() still reads pool.tenants() and pool.committed in two steps "
-        "(D12 not applied to the CLI); use one pool.snapshot() after pool.reap()"))),
-])
+@pytest.mark.parametrize("reader", ["Pool.snapshot", "kvpool top --json"])
 def test_every_snapshot_total_is_the_sum_of_its_rows_under_churn(
     reader: str, pool_name: str, children: Callable[..., Child], tmp_path: pathlib.Path
 ) -> None:
@@ -337,7 +325,7 @@ def test_every_snapshot_total_is_the_sum_of_its_rows_under_churn(
     # steps, so under a busy tenant they disagreed (top_snapshot_not_atomic.py);
     # Pool.snapshot() did not exist. 2,000 reads while a child churns, and
     # reads go on until the child has done 200 operations among them.
-    from kvpool.cli import _snapshot
+    from kvpool._top import snapshot as _snapshot
 
     capacity = 32 * PCB
     pool = Pool(pool_name, capacity=capacity)
@@ -368,10 +356,6 @@ def test_every_snapshot_total_is_the_sum_of_its_rows_under_churn(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: Pool.snapshot().committed is LedgerSnapshot::claimed_total (claimed + pending of every row) but "
-    "TenantInfo.committed_bytes is the row's claimed alone (kvpool/pool.py snapshot()): a pending claim is "
-    "in the total and in no row; count it in both (e.g. a pending_bytes field summed into the total), or in neither"))
 def test_a_pending_claim_is_in_the_total_exactly_as_in_its_row(pool_name: str, children: Callable[..., Child]) -> None:
     # D12 made deterministic: a tenant stopped inside its claim holds pending
     # bytes for as long as the test likes, so the total and its rows are

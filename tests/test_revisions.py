@@ -107,13 +107,6 @@ def test_the_last_revision_is_accepted_and_a_next_one_is_a_loud_error(tenant: tu
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("reserve_thread", [False, True])
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: KVSpace.set_limit/set_guarantee ('the next revision') take the revision from the budget's cached "
-    "copy (native/budget.cpp Budget::set_limit line 173, set_guarantee line 182: limit_revision_ + 1), not "
-    "from the ledger; right after an operator's change the cache is behind, the ledger answers 'stale' and "
-    "kvpool/space.py set_limit() drops the result: the call returns and changes nothing. Fix: let "
-    "Ledger::write_setting take revision -1 as 'current + 1' inside the seqlock (also for bindings.cpp "
-    "set_setting, which reads the revision outside it), and have KVSpace.set_limit raise on stale/conflict"))
 def test_the_tenants_own_next_change_applies_right_after_an_operators(
     reserve_thread: bool, pool_name: str
 ) -> None:

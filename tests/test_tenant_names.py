@@ -105,13 +105,6 @@ def test_two_processes_racing_for_one_name_never_both_win(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: native/ledger.cpp reap(): a slot whose registration is in progress (pid CASed in, live still 0) is "
-    "judged with the previous occupant's start_time (register_tenant stores start_time after the pid CAS; "
-    "unregister_tenant/reap_slot never clear it), so a live registrant is 'reused pid' and reaped; it then "
-    "finishes writing a slot with pid 0: invisible to every sum (over-commit), free for a second owner. "
-    "Fix: clear start_time (and pidns) before freeing a slot, skip slots with live != 1 unless the pid is gone "
-    "(ESRCH), and have register_tenant check pid == me after live = 1"))
 def test_a_tenant_in_the_middle_of_registering_is_not_reaped(pool_name: str) -> None:
     # The state of a slot between register_tenant's pid CAS and its
     # start_time store, made by hand: the slot was used and freed before (it
