@@ -86,12 +86,20 @@ def text(name: str, value: object) -> str:
 
 
 def device(value: object) -> str:
-    """``"cpu"``, ``"cuda"`` (= ``"cuda:0"``) or ``"cuda:N"``, normalized."""
+    """``"cpu"``, ``"cuda"`` (torch's current device, else ``"cuda:0"``) or ``"cuda:N"``, normalized."""
     if not isinstance(value, str):
         raise TypeError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {value!r} ({type(value).__name__})")
     if value == "cpu":
         return value
     if value == "cuda":
+        # As torch means it: its current device (when torch is loaded and
+        # sees CUDA), else device 0. Never imports torch itself.
+        torch = sys.modules.get("torch")
+        try:
+            if torch is not None and torch.cuda.is_available():
+                return f"cuda:{int(torch.cuda.current_device())}"
+        except Exception:  # noqa: BLE001 - a broken CUDA runtime: fall back to device 0
+            pass
         return "cuda:0"
     if value.startswith("cuda:") and value[5:].isascii() and value[5:].isdigit() and int(value[5:]) < 2**31:
         return f"cuda:{int(value[5:])}"
