@@ -8,7 +8,7 @@
 
     slot: pid i32 | live u32 | pidns u64 | start_time u64 | name[72] |
           claimed | pending | want | wait_ticket | waiting i32 | limit_state i32 |
-          reserve_pages | lending i32 | pad i32 | settings: seq u64, limit,
+          reserve_pages | lending i32 | pad i32 | judged_revision | settings: seq u64, limit,
           limit_revision, guarantee, guarantee_revision
 
 `check(path)` proves the mirror against a real segment (its size and header
@@ -36,6 +36,7 @@ class TenantSlot(ctypes.Structure):
                 ("claimed", ctypes.c_int64), ("pending", ctypes.c_int64), ("want", ctypes.c_int64),
                 ("wait_ticket", ctypes.c_uint64), ("waiting", ctypes.c_int32), ("limit_state", ctypes.c_int32),
                 ("reserve_pages", ctypes.c_int64), ("lending", ctypes.c_int32), ("pad0", ctypes.c_int32),
+                ("judged_revision", ctypes.c_int64),
                 ("settings", SlotSettings)]
 
 

@@ -114,10 +114,16 @@ def test_a_tenant_in_the_middle_of_registering_is_not_reaped(pool_name: str) -> 
     with KVSpace(G, pool=pool, name="before", reserve_thread=False, reserve=(0, 0)):
         slot = L.slot_of(pool_name, "before")
     old = L.read(pool_name).tenants[slot]
-    assert old.pid == 0 and old.live == 0 and old.start_time != 0
+    assert old.pid == 0 and old.live == 0
     registrant = subprocess.Popen(["sleep", "1000"])  # alive throughout, started after this process
     try:
-        L.write_at(pool_name, L.slot_offset(slot), registrant.pid.to_bytes(4, "little", signed=True))
+        # A freed slot no longer keeps its last tenant's identity; put a stale
+        # one back by hand (this namespace, an older start time), as a slot
+        # caught between the pid CAS and the start-time store would look.
+        base = L.slot_offset(slot)
+        L.write_at(pool_name, base + L.TenantSlot.pidns.offset, os.stat("/proc/self/ns/pid").st_ino.to_bytes(8, "little"))
+        L.write_at(pool_name, base + L.TenantSlot.start_time.offset, (1).to_bytes(8, "little"))
+        L.write_at(pool_name, base, registrant.pid.to_bytes(4, "little", signed=True))
         assert pool.reap() == 0
         assert L.read(pool_name).tenants[slot].pid == registrant.pid  # still the registrant's slot
     finally:
