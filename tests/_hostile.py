@@ -32,9 +32,11 @@ GUARD_S = float(os.environ.get("KVPOOL_HOSTILE_GUARD_S", "240"))  # lowered only
 
 
 def wait_for(cond: Callable[[], bool], what: str | Callable[[], str], guard_s: float = GUARD_S) -> None:
-    guard = time.monotonic() + guard_s
+    """Wait for an event another process reaches at its own pace. No deadline of
+    ours: a hang ends in the test's timeout (``guard_s`` is kept for callers
+    and documents the bound the test timeout is sized for)."""
+    del guard_s
     while not cond():
-        assert time.monotonic() < guard, f"{what if isinstance(what, str) else what()}: not after {guard_s} s"
         time.sleep(0.002)
 
 

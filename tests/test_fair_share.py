@@ -1,9 +1,7 @@
 """Fair share (issue 14): guarantee, borrow, lend, reclaim, admission.
 
-Real processes and real shared memory. Nothing here asserts a duration: the
-tests count operations (frees, refusals, steps) and wait for events; every
-wait has a hang guard far beyond any machine's load that only turns a hang
-into a message.
+Real processes and real shared memory. The tests count operations (frees,
+refusals, steps) and wait for events; a hang ends in the test's timeout.
 """
 
 from __future__ import annotations
@@ -60,12 +58,9 @@ def pool_name() -> Iterator[str]:
 
 async def until(cond: Callable[[], bool], what: str) -> None:
     """Wait for an event another process (or a native thread) reaches at its own pace."""
-    try:
-        with anyio.fail_after(GUARD_S):
-            while not cond():
-                await anyio.sleep(0.0005)
-    except TimeoutError:
-        raise AssertionError(f"{what}: not after {GUARD_S} s (hang guard)") from None
+    # No deadline of ours: a hang ends in the test's timeout. `what` names the event.
+    while not cond():
+        await anyio.sleep(0.0005)
 
 
 @asynccontextmanager
