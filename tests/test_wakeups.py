@@ -31,6 +31,12 @@ def pool() -> Iterator[Pool]:
 def test_releases_nobody_waits_for_move_no_generation(pool: Pool) -> None:
     with KVSpace(G, pool=pool, name="idle", reserve_thread=False, reserve=(0, 0)) as idle, \
          KVSpace(G, pool=pool, name="busy", reserve_thread=False, reserve=(0, 0)) as busy:
+        # busy's join moved the generation after idle's watcher started: wait
+        # for idle's watcher to signal that one, then nothing more may come.
+        poller = select.poll()
+        poller.register(idle.wakeup_fd, select.POLLIN)
+        while not poller.poll(1000):
+            pass
         idle.drain_wakeups()
         before = pool._ledger.generation
         for _ in range(200):  # every round commits and releases a page
