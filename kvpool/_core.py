@@ -1,7 +1,8 @@
 """The only module that imports the native extension.
 
-It turns the native core's status tuples into the :mod:`kvpool.errors`
-hierarchy so that no other module sees raw codes.
+It turns the native core's failures (status tuples, and the ``Failure`` of
+the alloc/free hot path) into the :mod:`kvpool.errors` hierarchy so that no
+other module sees raw codes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ CODE_BACKEND: int = _native.CODE_BACKEND
 CODE_CLOSED: int = _native.CODE_CLOSED
 CODE_LEDGER: int = _native.CODE_LEDGER
 CODE_UNSATISFIABLE: int = _native.CODE_UNSATISFIABLE
+
+
+def raise_failure(f: _native.Failure, *, requested: int = 0, ids: bool = False) -> NoReturn:
+    """Raise the kvpool error for a failed native ``alloc`` (``requested``) or ``free`` (``ids``)."""
+    raise_status(f.code, f.message, requested=requested, available=f.available,
+                 bad_ids=list(f.bad_ids) if ids else None, max_blocks=f.max_blocks)
 
 
 def raise_status(code: int, message: str, *, requested: int = 0, available: int = 0,

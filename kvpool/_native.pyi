@@ -3,6 +3,7 @@
 from typing import Annotated
 
 import numpy
+import numpy.typing
 from numpy.typing import NDArray
 
 
@@ -223,15 +224,33 @@ def cuda_mem_info(device: int) -> tuple[int, int, int, str]:
 def page_ranges(page_bytes: int, block_bytes: int, num_blocks: int) -> tuple[object, object]:
     """Per-page block ranges [first, last) of a geometry (the one formula)."""
 
+class Failure:
+    """A failed alloc or free: nothing changed."""
+
+    @property
+    def code(self) -> int: ...
+
+    @property
+    def message(self) -> str: ...
+
+    @property
+    def available(self) -> int: ...
+
+    @property
+    def max_blocks(self) -> int: ...
+
+    @property
+    def bad_ids(self) -> list[int]: ...
+
 class Space:
-    def alloc(self, n: int) -> tuple[int, object, int, int, str]:
+    def alloc(self, n: int) -> numpy.typing.NDArray[numpy.int64] | Failure:
         """
-        All-or-nothing: (code, ids | None, available, pages committed inline, message).
+        All-or-nothing: n block ids (int64 array), or a Failure (nothing changed).
         """
 
-    def free(self, ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple[int, list[int], int, int, str]:
+    def free(self, ids: numpy.typing.NDArray[numpy.int64]) -> int | Failure:
         """
-        Validates the whole batch first: (code, bad_ids, pages released inline, available after, message).
+        Validates the whole batch first: blocks available after it, or a Failure naming the bad ids (nothing freed). TypeError unless ids is a 1-D C-contiguous int64 numpy array.
         """
 
     def available(self) -> int: ...
@@ -326,7 +345,7 @@ class Ledger:
 def open_ledger(name: str, capacity: int, create: bool) -> tuple[int, str, object]:
     """Open (or create) a pool ledger: (code, message, Ledger | None)."""
 
-def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, limit_bytes: int, guarantee_bytes: int, device: str, ledger: Ledger | None, tenant: str) -> tuple[int, str, object]:
+def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, idle_release_s: float, limit_bytes: int, guarantee_bytes: int, device: str, ledger: Ledger | None, tenant: str) -> tuple[int, str, object]:
     """
     Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None).
     """

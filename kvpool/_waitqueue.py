@@ -85,6 +85,9 @@ class WaitQueue:
         # the head is found without scanning every class.
         self._classes: dict[int, deque[Waiter]] = {}
         self._order: list[int] = []
+        # Read-only to others: the priorities with waiters, sorted; empty
+        # exactly when nobody waits (the manager's hot path reads it).
+        self.priorities = self._order
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._classes.values())

@@ -16,6 +16,15 @@ No background task, no polling, no native thread calling into Python.
 
 Threading. A manager belongs to one event loop; call it from that loop's
 thread (engines on other threads use ``kvpool.adapters.blocking``).
+
+Hot path. ``alloc_nowait``, ``free`` and an ``alloc`` granted at once make
+one native call each and nothing else: the native core checks ``n`` and the
+ids itself, and the Python-side checks run only for arguments that are not
+plain ints / int64 arrays, or when the request must queue. An ``alloc``
+granted at once returns without a schedule point (like ``asyncio.Lock``
+acquired when free): no cancellation can land between the grant and the
+return, so none can lose the blocks; a cancellation already requested is
+delivered at the caller's next await.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass
 from enum import Enum
 from types import TracebackType
@@ -37,19 +46,25 @@ import anyio.to_thread
 import numpy as np
 import torch
 
+from . import _core
 from . import _validate as V
 from . import tracing
 from ._waitqueue import WaitQueue, Waiter, WaiterState
 from .errors import KVPoolError, PoolClosed, PoolExhausted, RequestTooLarge
 from .geometry import Geometry
 from .pool import Pool, default_pool_name
-from .space import BlockIds, BudgetStats, KVSpace, PageInfo, SpaceStats
+from .space import BlockIds, BudgetStats, KVSpace, PageInfo, SpaceStats, alloc_failed
 
 __all__ = ["Blocks", "KVCacheManager", "LimitState", "ManagerStats", "Reservation"]
 
 Blocks = BlockIds
 _EMPTY: BlockIds = np.empty(0, dtype=np.int64)
 _names = itertools.count(1000)
+_ndarray = np.ndarray
+_core_code_shortage = _core.CODE_SHORTAGE
+_core_code_unsatisfiable = _core.CODE_UNSATISFIABLE
+_trace = tracing.state  # read on the hot path: per-request events only when DEBUG is on
+_DEBUG = tracing.DEBUG
 
 
 class LimitState(str, Enum):
@@ -59,6 +74,9 @@ class LimitState(str, Enum):
     DEFERRED = "deferred"  # growth stopped; pages go back as they empty
     STALE = "stale"        # an older revision than the one in force: ignored
     CONFLICT = "conflict"  # same revision, different value: refused
+
+
+_DEFERRED = LimitState.DEFERRED  # an Enum member through its class costs ~0.2 us per read on the hot path
 
 
 @dataclass(frozen=True)
@@ -184,7 +202,9 @@ class KVCacheManager:
 
         self.geometry = geometry
         self._usable = geometry.capacity - (1 if null_block else 0)
+        self._native = self.space._space  # the hot path calls it directly (one call per alloc/free)
         self._queue = WaitQueue()
+        self._priorities = self._queue.priorities  # non-empty while anyone waits (read on the hot path)
         self._closed = False
         self._watcher: Waiter | None = None
         self._watch_scope: anyio.CancelScope | None = None
@@ -193,7 +213,8 @@ class KVCacheManager:
         self._limit_state = LimitState.APPLIED
         self._lending = False
         self._guarantee = 0
-        self._counts = {"at_once": 0, "after_wait": 0, "timeouts": 0, "cancellations": 0, "shortages": 0}
+        self._counts = {"after_wait": 0, "timeouts": 0, "cancellations": 0, "shortages": 0}
+        self._at_once = 0  # an attribute, not a dict entry: bumped on the hot path
         self._log = tracing.get_logger(pool=self.pool, tenant=self.name)
         self._refresh_limit_state(log=False)
         self._refresh_budget()
@@ -223,32 +244,33 @@ class KVCacheManager:
                 f"(limit {b.limit_bytes} bytes, pool capacity {b.pool_capacity} bytes)",
             )
 
-    def _grant_now(self, n: int) -> tuple[BlockIds, int]:
-        """n ids now (or PoolExhausted), and what is available after them."""
-        ids, committed, available = self.space._alloc(n)
-        if committed and tracing.enabled(tracing.DEBUG):
-            self._log.debug("pages.committed", pages=committed, by="alloc")
-        return ids, available
+    def _grant_now(self, n: int) -> BlockIds:
+        """n ids now, or the kvpool error (PoolExhausted, RequestTooLarge, ...)."""
+        r = self._native.alloc(n)
+        if not isinstance(r, _ndarray):
+            alloc_failed(r, n)
+        return r
 
     def alloc_nowait(self, n: int, *, priority: int = 0) -> BlockIds:
         """n block ids now, or :class:`PoolExhausted` (never queues, never barges)."""
-        n = self._validate(n, priority)
-        if n == 0:
-            return _EMPTY.copy()
-        if self._queue.has_waiters_at_or_before(priority):
+        if type(n) is not int or not 0 < n <= self._usable or self._closed or (
+                priority != 0 and type(priority) is not int):
+            n = self._validate(n, priority)
+            if n == 0:
+                return _EMPTY.copy()
+        if self._priorities and self._priorities[0] <= priority:
             self._counts["shortages"] += 1
             self._log.info("alloc.shortage", requested=n, available=0, waiting=len(self._queue))
             raise PoolExhausted(n, 0, f"{len(self._queue)} earlier waiters are queued")
-        try:
-            ids = self._grant_now(n)[0]
-        except PoolExhausted as e:
+        r = self._native.alloc(n)
+        if not isinstance(r, _ndarray):
             self._counts["shortages"] += 1
-            self._log.info("alloc.shortage", requested=n, available=e.available, waiting=0)
-            raise
-        self._counts["at_once"] += 1
-        if tracing.enabled(tracing.DEBUG):
+            self._log.info("alloc.shortage", requested=n, available=r.available, waiting=0)
+            alloc_failed(r, n)
+        self._at_once += 1
+        if _trace["level"] <= _DEBUG:
             self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
-        return ids
+        return r
 
     async def alloc(self, n: int, *, timeout: float | None = None, priority: int = 0) -> BlockIds:
         """Wait until n blocks can be granted, then return their ids.
@@ -257,38 +279,44 @@ class KVCacheManager:
         raises :class:`TimeoutError` holding nothing; closing the manager
         raises :class:`PoolClosed`. Cancellation never leaks a block.
         """
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        n = self._validate(n, priority)
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or math.isnan(timeout)):
-            raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
-        if n == 0:
-            return _EMPTY.copy()
-        if not self._queue.has_waiters_at_or_before(priority):
-            try:
-                ids = self._grant_now(n)[0]
-            except RequestTooLarge:
-                self._counts["shortages"] += 1
-                raise  # admission: never queued
-            except PoolExhausted:
-                pass
-            else:
-                try:
-                    # The schedule point every alloc has. anyio's shield holds off
-                    # anyio and trio cancellation, but not asyncio's own
-                    # (Task.cancel, wait_for, asyncio.timeout): the ids were granted,
-                    # so a cancellation here gives them back (issue 10, D1).
-                    await anyio.lowlevel.cancel_shielded_checkpoint()
-                except BaseException:
-                    self._counts["cancellations"] += 1
-                    self._log.info("alloc.cancelled", n=n, waited_ms=0.0, after_grant=True)
-                    if not self._closed:
-                        self.free(ids)
-                    raise
-                self._counts["at_once"] += 1
-                if tracing.enabled(tracing.DEBUG):
+        # Granted at once: one native call and no schedule point between the
+        # grant and the return (module docstring), so no cancellation of any
+        # library can lose the ids (issue 10, D1).
+        if (type(n) is int and 0 < n <= self._usable and priority == 0 and timeout is None
+                and not self._closed and not self._priorities):
+            r = self._native.alloc(n)
+            if isinstance(r, _ndarray):
+                self._at_once += 1
+                if _trace["level"] <= _DEBUG:
                     self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
-                return ids
+                return r
+            if r.code == _core_code_unsatisfiable:
+                self._counts["shortages"] += 1
+                alloc_failed(r, n)  # admission: never queued
+            if r.code != _core_code_shortage:
+                alloc_failed(r, n)
+        else:
+            n = self._validate(n, priority)
+            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                        or math.isnan(timeout)):
+                raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
+            if n == 0:
+                return _EMPTY.copy()
+            if not self._queue.has_waiters_at_or_before(priority):
+                try:
+                    ids = self._grant_now(n)
+                except RequestTooLarge:
+                    self._counts["shortages"] += 1
+                    raise  # admission: never queued
+                except PoolExhausted:
+                    pass
+                else:
+                    self._at_once += 1
+                    if _trace["level"] <= _DEBUG:
+                        self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
+                    return ids
+        # It waits: a schedule point at least, and cancellable from here on.
+        await anyio.lowlevel.checkpoint_if_cancelled()
         self._admit(n)
         w = Waiter(n, priority)
         if self.space.pool is not None:
@@ -384,8 +412,9 @@ class KVCacheManager:
                     continue
                 break
             total = sum(w.n for w in batch)
+            available = None  # asked again if anyone is left
             try:
-                ids, available = self._grant_now(total)
+                ids = self._grant_now(total)
             except PoolExhausted:
                 self._queue.push_front(batch)  # e.g. out of memory at commit: wait for the next wake-up
                 break
@@ -467,13 +496,23 @@ class KVCacheManager:
         """Give blocks back; waiters are served before any new arrival."""
         if self._closed:
             raise PoolClosed(f"manager {self.name!r} is closed")
-        n, released, available = self.space._free(blocks)
-        if tracing.enabled(tracing.DEBUG):  # per-request events stay cheap when filtered
-            self._log.debug("free", n=n)
-            if released:
-                self._log.debug("pages.released", pages=released, by="free")
-        self._dispatch(available)
-        if self._limit_state is LimitState.DEFERRED:
+        available: int | None
+        if type(blocks) is _ndarray:
+            try:
+                r = self._native.free(blocks)
+            except TypeError:  # not a 1-D C-contiguous int64 array: the checked path
+                available = self.space._free(blocks)
+            else:
+                if not isinstance(r, int):
+                    _core.raise_failure(r, ids=True)
+                available = r
+        else:
+            available = self.space._free(blocks)
+        if _trace["level"] <= _DEBUG:  # per-request events only when DEBUG is on
+            self._log.debug("free", n=len(blocks) if isinstance(blocks, Sized) else None)
+        if self._priorities:
+            self._dispatch(available)
+        if self._limit_state is _DEFERRED:
             self._refresh_limit_state()
 
     # ----------------------------------------------------------------- limits
@@ -603,7 +642,7 @@ class KVCacheManager:
             waiting_blocks=self._queue.waiting_blocks, committed_bytes=s.committed_bytes,
             limit_bytes=limit_bytes, limit_revision=limit_revision, limit_state=self._limit_state,
             guarantee_bytes=s.budget.guarantee_bytes, borrowed_bytes=s.budget.borrowed_bytes,
-            lending=s.budget.lending, granted_at_once=c["at_once"], granted_after_wait=c["after_wait"], timeouts=c["timeouts"],
+            lending=s.budget.lending, granted_at_once=self._at_once, granted_after_wait=c["after_wait"], timeouts=c["timeouts"],
             cancellations=c["cancellations"], shortages=c["shortages"], space=s,
         )
 
@@ -615,7 +654,7 @@ class KVCacheManager:
         released = self.space.trim()
         if released:
             self._log.debug("pages.released", pages=released, by="trim")
-        if self._limit_state is LimitState.DEFERRED:
+        if self._limit_state is _DEFERRED:
             self._refresh_limit_state()
         return released
 

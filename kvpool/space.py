@@ -11,7 +11,7 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, NoReturn, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -168,6 +168,16 @@ def cuda_unavailable_reason() -> str:
     return str(_core.native.cuda_unavailable_reason())
 
 
+_ndarray = np.ndarray
+
+
+def alloc_failed(f: _core.native.Failure, n: int) -> NoReturn:
+    """Raise for a failed native alloc of ``n`` (KVSpace and the manager's fast path share it)."""
+    if f.code == _core.CODE_INVALID:
+        V.integer("n", n)  # a negative n: the checked path's ValueError
+    _core.raise_failure(f, requested=n)
+
+
 class KVSpace:
     """Reserve virtual KV regions for ``geometry``; commit pages as blocks are used.
 
@@ -180,6 +190,11 @@ class KVSpace:
         reserve_thread: run the background thread that keeps the reserve;
             without it pages are committed inline and released when they
             empty beyond ``max``.
+        idle_release_s: idle pages above ``max`` go back to the pool at once
+            while another tenant waits (or this one is over its limit or
+            lends), otherwise only after staying unused this long (seconds;
+            0: as they empty). A steady alloc/free loop then commits and
+            releases nothing; ``trim()`` gives every idle page back now.
         limit_bytes: cap on committed bytes (``None``: no cap).
         guarantee_bytes: in a pool, bytes this tenant can always get back
             (``None``: an equal share of the capacity among the pool's
@@ -199,6 +214,7 @@ class KVSpace:
         pool: Pool | str | None = None,
         name: str | None = None,
         guarantee_bytes: int | None = None,
+        idle_release_s: float = 1.0,
     ) -> None:
         if not isinstance(geometry, Geometry):
             raise TypeError(f"geometry must be a kvpool.Geometry, got {type(geometry).__name__}")
@@ -206,6 +222,7 @@ class KVSpace:
         device = V.device(device)
         null_block = V.flag("null_block", null_block)
         reserve_thread = V.flag("reserve_thread", reserve_thread)
+        idle_release_s = V.seconds("idle_release_s", idle_release_s, allow_inf=False)
         lo, hi = self._reserve_arg(reserve)
         limit = self._limit_arg(limit_bytes)
         if pool is not None and not isinstance(pool, (str, Pool)):
@@ -225,7 +242,7 @@ class KVSpace:
         try:
             code, msg, space = _core.native.create_space(
                 geometry.num_regions, geometry.page_bytes, geometry.region_block_bytes, geometry.blocks,
-                null_block, lo, hi, reserve_thread, limit, guarantee, device,
+                null_block, lo, hi, reserve_thread, idle_release_s, limit, guarantee, device,
                 self.pool._ledger if self.pool is not None else None, self.name,
             )
         except RuntimeError as e:
@@ -262,40 +279,54 @@ class KVSpace:
         return lo, hi
 
     # -- allocation ---------------------------------------------------------
+    # The hot path is one native call each way: the native core validates n
+    # and the ids itself, and a plain int / canonical int64 array skips every
+    # Python-side check (anything else takes the checked path, same errors).
     def alloc(self, n: int) -> BlockIds:
         """Allocate ``n`` blocks, all or nothing.
 
         Raises :class:`PoolExhausted` (with ``requested``/``available``) when
         they are not there; nothing changes then.
         """
-        return self._alloc(n)[0]
-
-    def _alloc(self, n: int) -> tuple[BlockIds, int, int]:
-        """``alloc`` that also returns (pages committed inline, available after)."""
-        n = V.integer("n", n)
-        code, ids, available, committed, msg = self._space.alloc(n)
-        if code != _core.CODE_OK:
-            max_blocks = int(self._space.max_blocks()) if code == _core.CODE_UNSATISFIABLE else 0
-            _core.raise_status(code, msg, requested=n, available=available, max_blocks=max_blocks)
-        return cast(BlockIds, ids), committed, available
+        if type(n) is not int:
+            n = V.integer("n", n)
+        try:
+            r = self._space.alloc(n)
+        except TypeError:  # an int beyond int64: the checked path names it
+            raise ValueError(f"n must be <= {V.INT64_MAX} (the native core's int64), got {n}") from None
+        if not isinstance(r, _ndarray):
+            alloc_failed(r, n)
+        return r
 
     def free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> None:
         """Free a batch of ids. Any bad id raises :class:`InvalidBlocks` and frees nothing."""
+        if type(blocks) is _ndarray:  # the hot path, inline: one native call
+            try:
+                r = self._space.free(blocks)
+            except TypeError:  # not a 1-D C-contiguous int64 array: the checked path
+                self._free(blocks)
+                return
+            if not isinstance(r, int):
+                _core.raise_failure(r, ids=True)
+            return
         self._free(blocks)
 
-    def _free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> tuple[int, int, int | None]:
-        """``free`` that returns (blocks freed, pages released inline, available after).
-
-        Available is ``None`` when nothing was freed (no native call made).
-        """
-        ids = V.block_ids(blocks)
-        if ids.size == 0:
-            self._check_open()
-            return 0, 0, None
-        code, bad, released, available, msg = self._space.free(ids)
-        if code != _core.CODE_OK:
-            _core.raise_status(code, msg, bad_ids=list(bad))
-        return int(ids.size), released, available
+    def _free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> int | None:
+        """``free`` that returns the blocks available after it (``None``: nothing freed, no native call)."""
+        if type(blocks) is _ndarray and blocks.size:
+            try:
+                r = self._space.free(blocks)
+            except TypeError:  # not a 1-D C-contiguous int64 array: convert
+                r = self._space.free(V.block_ids(blocks))
+        else:
+            ids = V.block_ids(blocks)
+            if ids.size == 0:
+                self._check_open()
+                return None
+            r = self._space.free(ids)
+        if not isinstance(r, int):
+            _core.raise_failure(r, ids=True)
+        return r
 
     def available(self) -> int:
         """Blocks a following ``alloc`` can deliver with no other actor in between."""

@@ -26,6 +26,8 @@ __all__ = ["DEBUG", "INFO", "bind_request", "capture", "configure", "enabled", "
 DEBUG, INFO = 10, 20
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 _state: dict[str, Any] = {"level": 30}
+# The same dict, public: hot paths read ``state["level"]`` (one lookup) instead of calling enabled().
+state = _state
 
 
 def enabled(level: int) -> bool:

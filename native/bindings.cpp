@@ -1,7 +1,12 @@
 // The only file that knows about Python. Every call that can wait (on the
 // space mutex or a syscall) releases the GIL; the native core never calls
-// back into Python. Failures come back as (code, ...) tuples that
-// kvpool/_core.py turns into the kvpool.errors hierarchy.
+// back into Python. alloc and free, the hot path, first run non-blocking
+// with the GIL held (no page syscall, no wait: most calls) and only retry
+// with it released when the core says it would block. alloc returns the ids
+// (an int64 numpy array made through numpy's C API) or a Failure; free
+// returns what is available after it or a Failure. The colder calls still
+// answer (code, ...) tuples; kvpool/_core.py turns codes into the
+// kvpool.errors hierarchy.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -13,6 +18,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+
+#define PY_ARRAY_UNIQUE_SYMBOL kvpool_ARRAY_API
+#include <numpy/arrayobject.h>
 
 #include "backend.hpp"
 #include "geometry.hpp"
@@ -40,9 +48,45 @@ IdArray new_id_array(size_t n, int64_t** data) {
     return IdArray(buf, {n}, owner);
 }
 
+// A failed alloc or free, as Python sees it (kvpool/_core.raise_failure).
+struct Failure {
+    int code = 0;
+    std::string message;
+    int64_t available = 0;   // blocks available after the failed call
+    int64_t max_blocks = 0;  // an Unsatisfiable alloc: the most this tenant can ever hold
+    std::vector<int64_t> bad_ids;  // a refused free: the offending ids
+};
+
+// A fresh int64 array of n elements (numpy's C API: no Python-level call).
+nb::object new_int64_array(int64_t n, int64_t** data) {
+    npy_intp dim = static_cast<npy_intp>(n);
+    PyObject* a = PyArray_SimpleNew(1, &dim, NPY_INT64);
+    if (a == nullptr) throw nb::python_error();
+    *data = static_cast<int64_t*>(PyArray_DATA(reinterpret_cast<PyArrayObject*>(a)));
+    return nb::steal(a);
+}
+
+// The ids of a free: a 1-D, C-contiguous, aligned, native-order int64 numpy
+// array, read in place. Anything else is a TypeError the Python layer
+// answers by converting (kvpool._validate.block_ids) and calling again.
+const int64_t* id_buffer(nb::handle ids, int64_t* n) {
+    PyObject* o = ids.ptr();
+    if (PyArray_Check(o)) {
+        auto* a = reinterpret_cast<PyArrayObject*>(o);
+        const int t = PyArray_TYPE(a);
+        if (PyArray_NDIM(a) == 1 && (t == NPY_LONG || t == NPY_LONGLONG) && PyArray_ITEMSIZE(a) == 8 &&
+            PyArray_ISCARRAY_RO(a)) {
+            *n = static_cast<int64_t>(PyArray_DIM(a, 0));
+            return static_cast<const int64_t*>(PyArray_DATA(a));
+        }
+    }
+    throw nb::type_error("free: ids must be a 1-D C-contiguous int64 numpy array");
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
+    if (_import_array() < 0) throw nb::python_error();
     m.doc() = "kvpool native core (private: use the kvpool package)";
     // Spaces legitimately outlive interpreter shutdown (module globals);
     // their destructor releases memory, so the shutdown report is noise.
@@ -158,39 +202,62 @@ NB_MODULE(_native, m) {
         "page_bytes"_a, "block_bytes"_a, "num_blocks"_a,
         "Per-page block ranges [first, last) of a geometry (the one formula).");
 
+    nb::class_<Failure>(m, "Failure", "A failed alloc or free: nothing changed.")
+        .def_ro("code", &Failure::code)
+        .def_ro("message", &Failure::message)
+        .def_ro("available", &Failure::available)
+        .def_ro("max_blocks", &Failure::max_blocks)
+        .def_ro("bad_ids", &Failure::bad_ids);
+
     nb::class_<Space>(m, "Space")
         .def(
             "alloc",
-            [](Space& s, int64_t n) {
+            [](Space& s, int64_t n) -> nb::object {
                 int64_t* data = nullptr;
                 // No buffer for requests beyond capacity: the core answers
-                // those with a shortage before touching it.
-                const bool fits = n > 0 && n <= s.capacity();
-                IdArray ids = new_id_array(static_cast<size_t>(fits ? n : 0), &data);
-                int64_t available = 0, committed = 0;
-                Status st;
-                {
+                // those before touching it.
+                nb::object ids = new_int64_array(n > 0 && n <= s.capacity() ? n : 0, &data);
+                int64_t available = 0;
+                Status st = s.alloc(n, data, &available, nullptr, /*nonblocking=*/true);
+                if (st.code == Code::WouldBlock) {
                     nb::gil_scoped_release nogil;
-                    st = s.alloc(n, data, &available, &committed);
+                    st = s.alloc(n, data, &available);
                 }
-                nb::object out = st.is_ok() ? nb::object(nb::cast(ids)) : nb::none();
-                return std::make_tuple(static_cast<int>(st.code), out, available, committed, st.message);
+                if (st.is_ok()) return ids;
+                Failure f{static_cast<int>(st.code), std::move(st.message), available, 0, {}};
+                if (st.code == Code::Unsatisfiable) {
+                    nb::gil_scoped_release nogil;
+                    f.max_blocks = s.max_blocks();
+                }
+                return nb::cast(std::move(f));
             },
-            "n"_a, "All-or-nothing: (code, ids | None, available, pages committed inline, message).")
+            "n"_a, nb::sig("def alloc(self, n: int) -> numpy.typing.NDArray[numpy.int64] | Failure"),
+            "All-or-nothing: n block ids (int64 array), or a Failure (nothing changed).")
         .def(
             "free",
-            [](Space& s, IdInput ids) {
+            [](Space& s, nb::handle ids) -> nb::object {
+                int64_t n = 0;
+                const int64_t* data = id_buffer(ids, &n);
                 std::vector<int64_t> bad;
-                int64_t released = 0, available = 0;
-                Status st;
-                {
+                int64_t available = 0;
+                bool release_due = false;
+                Status st = s.free(data, n, &bad, nullptr, &available, /*nonblocking=*/true, &release_due);
+                if (release_due) {  // no reserve thread: the page syscalls, without the GIL
                     nb::gil_scoped_release nogil;
-                    st = s.free(ids.data(), static_cast<int64_t>(ids.shape(0)), &bad, &released, &available);
+                    s.release_inline();
+                    available = s.available();
+                } else if (st.code == Code::WouldBlock) {
+                    // The caller's array stays referenced for the call; the
+                    // core applies its own validated copy of the ids.
+                    nb::gil_scoped_release nogil;
+                    st = s.free(data, n, &bad, nullptr, &available);
                 }
-                return std::make_tuple(static_cast<int>(st.code), bad, released, available, st.message);
+                if (st.is_ok()) return nb::int_(available);
+                return nb::cast(Failure{static_cast<int>(st.code), std::move(st.message), available, 0, std::move(bad)});
             },
-            "ids"_a,
-            "Validates the whole batch first: (code, bad_ids, pages released inline, available after, message).")
+            "ids"_a, nb::sig("def free(self, ids: numpy.typing.NDArray[numpy.int64]) -> int | Failure"),
+            "Validates the whole batch first: blocks available after it, or a Failure naming the bad ids "
+            "(nothing freed). TypeError unless ids is a 1-D C-contiguous int64 numpy array.")
         .def("available", &Space::available, nb::call_guard<nb::gil_scoped_release>())
         .def(
             "trim",
@@ -349,7 +416,7 @@ NB_MODULE(_native, m) {
     m.def(
         "create_space",
         [](int64_t num_regions, int64_t page_bytes, int64_t block_bytes, int64_t num_blocks, bool null_block,
-           int64_t reserve_min, int64_t reserve_max, bool reserve_thread, int64_t limit_bytes,
+           int64_t reserve_min, int64_t reserve_max, bool reserve_thread, double idle_release_s, int64_t limit_bytes,
            int64_t guarantee_bytes, const std::string& device, std::shared_ptr<Ledger> ledger,
            const std::string& tenant) {
             Status st;
@@ -365,6 +432,7 @@ NB_MODULE(_native, m) {
                 cfg.reserve_min = reserve_min;
                 cfg.reserve_max = reserve_max;
                 cfg.reserve_thread = reserve_thread;
+                cfg.idle_release_s = idle_release_s;
                 // One limit per tenant: in a pool it lives in the ledger
                 // (revision 0), where `kvpool top` shows it; without one, in
                 // the private budget.
@@ -397,6 +465,6 @@ NB_MODULE(_native, m) {
             return std::make_tuple(static_cast<int>(st.code), st.message, obj);
         },
         "num_regions"_a, "page_bytes"_a, "block_bytes"_a, "num_blocks"_a, "null_block"_a, "reserve_min"_a,
-        "reserve_max"_a, "reserve_thread"_a, "limit_bytes"_a, "guarantee_bytes"_a, "device"_a, "ledger"_a.none(), "tenant"_a,
+        "reserve_max"_a, "reserve_thread"_a, "idle_release_s"_a, "limit_bytes"_a, "guarantee_bytes"_a, "device"_a, "ledger"_a.none(), "tenant"_a,
         "Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None).");
 }

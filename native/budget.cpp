@@ -17,6 +17,7 @@ struct Share {
     int64_t room = 0;        // bytes claimable now (limit not applied)
     int64_t guarantee = 0;   // this tenant's guarantee in force
     bool starving = false;   // some other tenant waits below its guarantee
+    bool others_waiting = false;  // some other tenant waits at all
     std::string starving_name;
 };
 
@@ -35,6 +36,7 @@ Share judge_share(const LedgerSnapshot& s, int slot) {
     int64_t protect_borrow = 0;  // wanted by waiters ahead of a borrower
     for (const auto& r : s.rows) {
         if (r.slot == slot || r.want <= 0) continue;
+        out.others_waiting = true;
         const int64_t their_deficit = effective_guarantee(s, r) - r.claimed;
         if (their_deficit > 0) {
             out.starving = true;
@@ -75,6 +77,7 @@ void Budget::judge(const LedgerSnapshot& s) {
     const Share sh = judge_share(s, slot_);
     guarantee_bytes_ = sh.guarantee;
     starving_ = sh.starving;
+    others_waiting_ = sh.others_waiting;
     relend();
 }
 
@@ -122,6 +125,7 @@ bool Budget::claim(int64_t pages, std::string* why) {
         const Share sh = judge_share(s, slot_);
         guarantee_bytes_ = sh.guarantee;
         starving_ = sh.starving;
+        others_waiting_ = sh.others_waiting;
         if (bytes <= sh.room) return true;
         if (sh.starving && (claimed_pages_ * pcb_ + bytes > sh.guarantee))
             *w = "lending: tenant " + sh.starving_name + " waits below its guarantee (this tenant holds " +

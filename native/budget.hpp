@@ -68,6 +68,9 @@ public:
     // The most pages this tenant can ever hold: min(limit, capacity) (-1 = no bound).
     int64_t max_pages() const;
     bool lending() const { return lending_; }
+    // Another tenant of the pool waits for memory: idle pages above the
+    // reserve's max go back at once rather than after the idle interval.
+    bool others_waiting() const { return others_waiting_; }
 
     // Cheap: whether the pool changed since the last refresh.
     uint32_t seen_generation() const { return seen_generation_; }
@@ -104,6 +107,7 @@ private:
     // Verdicts of the last judgement.
     int64_t guarantee_bytes_ = 0;
     bool starving_ = false;  // another tenant waits below its guarantee
+    bool others_waiting_ = false;
     bool lending_ = false;
     uint32_t seen_generation_ = 0;
 };

@@ -10,6 +10,12 @@ namespace kvpool {
 
 void PageTable::init(int64_t page_bytes, int64_t block_bytes, int64_t num_blocks) {
     const int64_t np = num_pages_for(page_bytes, block_bytes, num_blocks);
+    page_bytes_ = page_bytes;
+    block_bytes_ = block_bytes;
+    if (page_bytes % block_bytes == 0) {
+        const int64_t bpp = page_bytes / block_bytes;
+        if ((bpp & (bpp - 1)) == 0) bpp_shift_ = __builtin_ctzll(static_cast<unsigned long long>(bpp));
+    }
     pages_.resize(static_cast<size_t>(np));
     held_.assign(static_cast<size_t>(num_blocks), BlockHold::Free);
     std::vector<int64_t> caps;
@@ -123,22 +129,40 @@ void PageTable::take(int32_t p, int64_t k, int64_t*& out) {
     if (pg.nfree > 0) bucket_insert(p);
 }
 
-bool PageTable::give_back(int64_t id, int32_t p) {
-    Page& pg = pages_[p];
-    held_[id] = BlockHold::Free;
-    if (pg.nfree > 0) bucket_remove(p);
-    pg.free_off.push_back(static_cast<int32_t>(id - pg.first));
-    ++pg.nfree;
-    ++partial_free_;
-    bucket_insert(p);
-    if (pg.nfree == pg.cap && !pg.pinned) {
-        // Emptied: idle reserve; the thread (or the inline path) decides
-        // whether to keep or release it.
-        set_state(p, PageState::Reserve);
-        return true;
+bool PageTable::give_back_batch(const int64_t* ids, const int32_t* pages, size_t n) {
+    if (++batch_ == 0) {  // wrapped: no page may carry the new stamp already
+        for (Page& pg : pages_) pg.batch = 0;
+        batch_ = 1;
     }
-    return false;
+    touched_.clear();
+    for (size_t i = 0; i < n; ++i) {
+        Page& pg = pages_[pages[i]];
+        if (pg.batch != batch_) {
+            // First block of this page in the batch: out of its bucket (and
+            // out of partial_free_) until the batch is applied.
+            pg.batch = batch_;
+            touched_.push_back(pages[i]);
+            if (pg.nfree > 0) bucket_remove(pages[i]);
+            partial_free_ -= pg.nfree;
+        }
+        held_[ids[i]] = BlockHold::Free;
+        pg.free_off.push_back(static_cast<int32_t>(ids[i] - pg.first));
+        ++pg.nfree;
+    }
+    bool emptied = false;
+    for (int32_t p : touched_) {
+        Page& pg = pages_[p];
+        partial_free_ += pg.nfree;
+        bucket_insert(p);
+        if (pg.nfree == pg.cap && !pg.pinned) {
+            set_state(p, PageState::Reserve);  // emptied: as give_back
+            emptied = true;
+        }
+    }
+    return emptied;
 }
+
+int64_t PageTable::slow_page_of(int64_t id) const { return block_page(page_bytes_, block_bytes_, id); }
 
 // ----------------------------------------------------------------- buckets
 // ACTIVE pages with free blocks sit in bucket_head_[nfree] (doubly linked),

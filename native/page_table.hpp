@@ -13,6 +13,7 @@
 // state and keeps count(state) / blocks(state) exact, so no caller sums
 // pages by hand. The named figures (committed, claimed, idle) read those.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -38,6 +39,7 @@ public:
         PageState state = PageState::Free;
         bool pinned = false;         // holds the null block: never released
         int32_t prev = -1, next = -1;  // links in bucket_head_[nfree]
+        uint32_t batch = 0;          // the last give_back_batch that touched it
         std::vector<int32_t> free_off;  // free block offsets, a stack
     };
 
@@ -76,10 +78,18 @@ public:
     // Blocks the k largest pages of the space hold (admission's upper bound).
     int64_t top_pages_blocks(int64_t k) const;
 
-    // Blocks: take k from ACTIVE page p (writes ids), give one back.
-    // give_back returns true if the page emptied (it is RESERVE then).
+    // Blocks: take k from ACTIVE page p (writes ids).
     void take(int32_t p, int64_t k, int64_t*& out);
-    bool give_back(int64_t id, int32_t p);
+    // Give a validated batch back (ids[i] on page pages[i]): each page
+    // touched moves between buckets once, not once per block. Returns true
+    // if any page emptied (it is RESERVE then).
+    bool give_back_batch(const int64_t* ids, const int32_t* pages, size_t n);
+    // Page of a block id (0 <= id < num_blocks), or -1 when the block
+    // straddles a page boundary: the geometry formula, a shift when a page
+    // holds a power-of-two number of whole blocks.
+    int64_t page_of(int64_t id) const {
+        return bpp_shift_ >= 0 ? (id >> bpp_shift_) : slow_page_of(id);
+    }
     // An idle (RESERVE) page becomes ACTIVE with all blocks free.
     void activate(int32_t p);
     // Best fit: bucket of the smallest nfree >= k, or of the largest.
@@ -97,6 +107,7 @@ private:
     void bucket_remove(int32_t p);
     void free_push(int32_t p);
     void free_remove(int32_t p);
+    int64_t slow_page_of(int64_t id) const;
 
     std::vector<Page> pages_;
     std::vector<BlockHold> held_;
@@ -110,6 +121,10 @@ private:
     int64_t partial_free_ = 0;
     int64_t capacity_ = 0;
     int32_t max_cap_ = 0;
+    int64_t page_bytes_ = 0, block_bytes_ = 0;
+    int bpp_shift_ = -1;       // log2(blocks per page) when pages hold 2**k whole blocks
+    uint32_t batch_ = 0;       // give_back_batch counter (Page::batch)
+    std::vector<int32_t> touched_;  // give_back_batch scratch
 };
 
 }  // namespace kvpool

@@ -1,8 +1,11 @@
 // The space's two threads.
 //
-// Reserve thread: keeps between reserve_min and reserve_max idle committed
-// pages, and gives pages back while over the limit or while lending (a lender
-// keeps no idle pages: they go back to the pool at once). It never calls into
+// Reserve thread: keeps at least reserve_min idle committed pages, and gives
+// idle pages back: while over the limit or while lending (a lender keeps no
+// idle pages: they go back to the pool at once); above reserve_max while
+// another tenant waits; and otherwise above reserve_max only once they stayed
+// unused for a whole idle interval (idle_release_s), so a steady alloc/free
+// loop never commits and releases the same pages over and over. It never calls into
 // Python (it has no Python state at all) and never holds mu_ across a
 // syscall: it marks the page COMMITTING/RELEASING, unlocks, runs the syscall,
 // relocks.
@@ -22,6 +25,21 @@ namespace kvpool {
 
 int64_t Space::reserve_target_max_locked() const { return budget_.lending() ? 0 : cfg_.reserve_max; }
 
+// Idle pages above the reserve's max go back now, not after the idle
+// interval: another tenant waits (or this one lends), or no interval is set.
+bool Space::release_pressed_locked() const {
+    return cfg_.idle_release_s <= 0 || budget_.lending() || budget_.others_waiting();
+}
+
+// A new idle interval: it ends idle_release_s from now; the low-water mark
+// starts at the reserve as it is (alloc lowers it as it takes pages).
+void Space::arm_idle_interval_locked() {
+    idle_tick_at_ = std::chrono::steady_clock::now() +
+                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                        std::chrono::duration<double>(cfg_.idle_release_s));
+    idle_low_water_ = table_.count(PageState::Reserve);
+}
+
 // What the reserve thread wants to do. One definition for the thread and for
 // settle(), which must agree on "nothing left to do". `cheap` skips the
 // pool's room (a ledger snapshot): the hot paths only decide whether to wake
@@ -32,7 +50,8 @@ Space::ThreadWork Space::thread_work_locked(std::chrono::steady_clock::time_poin
     const int64_t n_reserve = table_.count(PageState::Reserve);
     const bool over_limit = n_reserve > 0 && lim >= 0 &&
                             table_.count(PageState::Active) + n_reserve + table_.count(PageState::Committing) > lim;
-    w.want_release = over_limit || n_reserve > reserve_target_max_locked();
+    const bool excess = n_reserve > reserve_target_max_locked();
+    w.want_release = over_limit || (excess && (idle_surplus_ > 0 || release_pressed_locked()));
     const int64_t target_min = budget_.lending() ? 0 : cfg_.reserve_min;
     w.want_commit = table_.idle() < target_min && !table_.free_by_cap().empty() && budget_.room_pages() > 0;
     w.release_now = w.want_release && now >= release_retry_at_;
@@ -60,6 +79,7 @@ void Space::thread_main() {
             lk.lock();
             if (s.is_ok()) {
                 released_locked(p);
+                if (idle_surplus_ > 0) --idle_surplus_;
                 report_locked();
                 signal_eventfd();  // budget came back: a waiter under a limit may fit now
             } else {
@@ -103,8 +123,26 @@ void Space::thread_main() {
             cv_.notify_all();
             continue;
         }
-        cv_.notify_all();  // wake settle() waiters: nothing to do now
+        // The idle interval, while idle pages exceed the reserve's max: at
+        // its end, those that stayed idle all along (the low-water mark above
+        // max) go back; then a new interval starts if the excess remains.
         auto wake_at = clock::time_point::max();
+        const int64_t excess = table_.count(PageState::Reserve) - reserve_target_max_locked();
+        if (excess > 0 && cfg_.idle_release_s > 0) {
+            if (idle_tick_at_ == clock::time_point::max()) {
+                arm_idle_interval_locked();
+            } else if (clock::now() >= idle_tick_at_) {
+                idle_surplus_ = std::max<int64_t>(0, std::min(idle_low_water_, table_.count(PageState::Reserve)) -
+                                                         reserve_target_max_locked());
+                arm_idle_interval_locked();
+                if (idle_surplus_ > 0) continue;  // release them (want_release sees the surplus)
+            }
+            wake_at = idle_tick_at_;
+        } else {
+            idle_tick_at_ = clock::time_point::max();
+            idle_surplus_ = 0;
+        }
+        cv_.notify_all();  // wake settle() waiters: nothing to do now
         if (work.want_release) wake_at = std::min(wake_at, release_retry_at_);
         if (work.want_commit) wake_at = std::min(wake_at, commit_retry_at_);
         if (wake_at == clock::time_point::max()) cv_.wait(lk);

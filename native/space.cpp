@@ -48,14 +48,16 @@ Space::Space(const SpaceConfig& cfg, std::unique_ptr<Backend> backend, std::shar
 std::unique_ptr<Space> Space::create(const SpaceConfig& cfg, std::unique_ptr<Backend> backend,
                                      std::shared_ptr<Ledger> ledger, int slot, Status* status) {
     if (cfg.page_bytes <= 0 || cfg.block_bytes <= 0 || cfg.num_blocks <= 0 || cfg.num_regions <= 0 ||
-        cfg.block_bytes > cfg.page_bytes || cfg.reserve_min < 0 || cfg.reserve_max < cfg.reserve_min) {
+        cfg.block_bytes > cfg.page_bytes || cfg.reserve_min < 0 || cfg.reserve_max < cfg.reserve_min ||
+        !(cfg.idle_release_s >= 0 && cfg.idle_release_s <= 1e9)) {
         *status = Status::make(Code::Invalid,
                                "invalid space configuration: page_bytes=" + std::to_string(cfg.page_bytes) +
                                    " block_bytes=" + std::to_string(cfg.block_bytes) + " num_blocks=" +
                                    std::to_string(cfg.num_blocks) + " num_regions=" + std::to_string(cfg.num_regions) +
                                    " reserve=(" + std::to_string(cfg.reserve_min) + ", " +
-                                   std::to_string(cfg.reserve_max) + "); need all sizes > 0, "
-                                   "block_bytes <= page_bytes and 0 <= min <= max");
+                                   std::to_string(cfg.reserve_max) + ") idle_release_s=" +
+                                   std::to_string(cfg.idle_release_s) + "; need all sizes > 0, "
+                                   "block_bytes <= page_bytes, 0 <= min <= max and 0 <= idle_release_s <= 1e9");
         if (ledger) ledger->unregister_tenant(slot);  // no Space owns the slot: give it back here
         return nullptr;
     }
@@ -271,15 +273,23 @@ void Space::released_locked(int32_t p) {
 
 // ------------------------------------------------------------------ alloc
 
-Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* committed) {
+namespace {
+Status would_block() { return Status{Code::WouldBlock, std::string()}; }
+}  // namespace
+
+Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* committed, bool nonblocking) {
     *available = 0;
     if (committed) *committed = 0;
     Status usable = check_usable();
     if (!usable.is_ok()) return usable;
-    std::unique_lock<std::mutex> lk(mu_);
+    std::unique_lock<std::mutex> lk(mu_, std::defer_lock);
+    if (!nonblocking) lk.lock();
+    else if (!lk.try_lock()) return would_block();
     if (closed_) return Status::make(Code::Closed, "space is closed");
     if (n < 0) return Status::make(Code::Invalid, "alloc: n must be >= 0, got " + std::to_string(n));
     if (n == 0) return Status::ok();
+    // Without a reserve thread a budget refresh may release pages inline.
+    if (nonblocking && !cfg_.reserve_thread && budget_.stale()) return would_block();
     refresh_budget_locked();
     // Admission: never queue what can never be granted. Checked before `out`
     // is touched: the caller may pass no buffer.
@@ -336,6 +346,7 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
             if (static_cast<int64_t>(plan.size()) < want || need > 0) {
                 if (table_.count(PageState::Committing) + table_.count(PageState::Releasing) > 0 &&
                     n <= available_locked()) {
+                    if (nonblocking) return would_block();
                     cv_.wait(lk);  // a page we need is in flight: wait for it
                     if (closed_) return Status::make(Code::Closed, "space is closed");
                     continue;
@@ -345,6 +356,7 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
                 // be helped by reaping, and reaping reads /proc).
                 const int64_t lim = budget_.limit_pages();
                 const int64_t lim_room = lim < 0 ? kUnlimited : lim - budget_.claimed_pages();
+                if (budget_.pooled() && room < lim_room && nonblocking) return would_block();  // reap reads /proc
                 if (budget_.pooled() && room < lim_room && budget_.ledger()->reap() > 0) {
                     budget_.refresh(true);
                     continue;
@@ -356,6 +368,7 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
         break;
     }
 
+    if (nonblocking && !plan.empty()) return would_block();  // page commits are syscalls
     // Claim before commit: the budget for every planned page in one step.
     {
         std::string why;
@@ -421,6 +434,7 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
         table_.take(p, k, cursor);
         remaining -= k;
     }
+    idle_low_water_ = std::min(idle_low_water_, table_.count(PageState::Reserve));
     if (committed) *committed = static_cast<int64_t>(plan.size());
     // The plan guaranteed enough blocks; anything else is a bookkeeping bug.
     if (remaining != 0) std::abort();
@@ -434,26 +448,36 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
 
 // ------------------------------------------------------------------- free
 
-Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int64_t* released, int64_t* available) {
+Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int64_t* released, int64_t* available,
+                   bool nonblocking, bool* release_due) {
     if (released) *released = 0;
     if (available) *available = 0;
+    if (release_due) *release_due = false;
     Status usable = check_usable();
     if (!usable.is_ok()) return usable;
-    std::unique_lock<std::mutex> lk(mu_);
+    std::unique_lock<std::mutex> lk(mu_, std::defer_lock);
+    if (!nonblocking) lk.lock();
+    else if (!lk.try_lock()) return would_block();
     if (closed_) return Status::make(Code::Closed, "space is closed");
+    if (n == 0) {  // nothing to free: no counter moves
+        if (available) *available = available_locked();
+        return Status::ok();
+    }
     std::string why;
-    std::vector<int64_t> marked;
-    marked.reserve(static_cast<size_t>(n));
+    std::vector<int64_t>& marked = free_ids_;
+    marked.clear();
+    marked.reserve(static_cast<size_t>(std::min<int64_t>(n, cfg_.num_blocks)));
     auto reject = [&](int64_t id, const char* reason) {
         if (bad->size() < 16) why += (why.empty() ? "" : "; ") + std::to_string(id) + " " + reason;
         bad->push_back(id);
     };
-    std::vector<int32_t> page_of;
-    page_of.reserve(static_cast<size_t>(n));
+    std::vector<int32_t>& page_of = free_pages_;
+    page_of.clear();
+    page_of.reserve(static_cast<size_t>(std::min<int64_t>(n, cfg_.num_blocks)));
     for (int64_t i = 0; i < n; ++i) {
         const int64_t id = ids[i];
         if (id < 0 || id >= cfg_.num_blocks) { reject(id, "is out of range"); continue; }
-        const int64_t p = block_page(cfg_.page_bytes, cfg_.block_bytes, id);
+        const int64_t p = table_.page_of(id);
         if (p < 0) { reject(id, "straddles a page boundary (never allocated)"); continue; }
         if (cfg_.null_block && id == 0) { reject(id, "is the null block"); continue; }
         if (table_.hold(id) == BlockHold::Marked) { reject(id, "is repeated in this batch"); continue; }
@@ -462,21 +486,28 @@ Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int
         marked.push_back(id);
         page_of.push_back(static_cast<int32_t>(p));
     }
-    for (int64_t id : marked) table_.set_hold(id, BlockHold::Held);
     if (!bad->empty()) {
+        for (int64_t id : marked) table_.set_hold(id, BlockHold::Held);  // nothing freed
         if (bad->size() > 16) why += "; and " + std::to_string(bad->size() - 16) + " more";
         return Status::make(Code::Invalid, "free: nothing freed: " + why);
     }
     // Apply the validated copy, never the caller's buffer again: it may
     // change under us (the GIL is released).
-    bool emptied = false;
-    for (size_t i = 0; i < marked.size(); ++i) emptied |= table_.give_back(marked[i], page_of[i]);
+    const bool emptied = table_.give_back_batch(marked.data(), page_of.data(), marked.size());
     used_ -= n;
     ++counters_.frees;
     commit_retry_at_ = {};  // memory came back: a failed refill may work now
     refresh_budget_locked();
     if (cfg_.reserve_thread) {
-        if (emptied && thread_has_work_locked()) cv_.notify_all();
+        // Wake the thread for work due now, or to start the idle interval
+        // once idle pages exceed the reserve's max (it sleeps through it).
+        if (emptied && (thread_has_work_locked() ||
+                        (idle_tick_at_ == std::chrono::steady_clock::time_point::max() && cfg_.idle_release_s > 0 &&
+                         table_.count(PageState::Reserve) > reserve_target_max_locked())))
+            cv_.notify_all();
+    } else if (nonblocking) {
+        // No syscall here: the caller releases them without the GIL.
+        if (release_due) *release_due = inline_release_due_locked();
     } else {
         const int64_t r = release_inline_locked();
         if (released) *released = r;
@@ -485,15 +516,26 @@ Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int
     return Status::ok();
 }
 
+int64_t Space::release_inline() {
+    if (!check_usable().is_ok()) return 0;
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_ || cfg_.reserve_thread) return 0;
+    return release_inline_locked();
+}
+
+bool Space::inline_release_due_locked() const {
+    if (table_.reserve().empty()) return false;
+    const int64_t lim = budget_.limit_pages();
+    const bool over_limit = lim >= 0 && table_.count(PageState::Active) + table_.count(PageState::Reserve) > lim;
+    return over_limit || table_.count(PageState::Reserve) > reserve_target_max_locked();
+}
+
 // Without a reserve thread, pages beyond the reserve's max (or above the
 // limit, or all of them while lending) are given back by the call that
 // emptied them.
 int64_t Space::release_inline_locked() {
     int64_t released = 0;
-    const int64_t lim = budget_.limit_pages();
-    while (!table_.reserve().empty()) {
-        const bool over_limit = lim >= 0 && table_.count(PageState::Active) + table_.count(PageState::Reserve) > lim;
-        if (!over_limit && table_.count(PageState::Reserve) <= reserve_target_max_locked()) break;
+    while (inline_release_due_locked()) {
         const int32_t p = table_.reserve().back();
         Status s = do_release(p, consume_fault_locked(FaultKind::Release));
         if (!s.is_ok()) {

@@ -16,6 +16,11 @@ enum class Code : int {
     Closed = 4,    // the space was closed
     Ledger = 5,    // the pool refused a tenant (duplicate name, no free slot), or is not ours
     Unsatisfiable = 6,  // a request larger than the tenant can ever hold: refused, never queued
+    // Internal, never crosses to Python: a non-blocking call (the GIL held)
+    // that would have to wait (the space mutex, a page syscall, a page in
+    // flight, reaping) returns this before changing anything; the binding
+    // retries it blocking with the GIL released.
+    WouldBlock = 7,
 };
 
 struct Status {
