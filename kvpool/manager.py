@@ -170,7 +170,7 @@ class KVCacheManager:
         device: ``"cpu"``.
         name: this tenant's name (default ``<pid>-<n>``).
         null_block: hold block 0 for the engine's padding.
-        reserve, reserve_thread: see :class:`kvpool.KVSpace`.
+        reserve, reserve_thread, idle_release_s: see :class:`kvpool.KVSpace`.
         limit_bytes: initial cap on committed bytes (revision 0).
         guarantee_bytes: in a pool, bytes this tenant can always get back
             (revision 0; ``None``: an equal share of the pool among its
@@ -189,6 +189,7 @@ class KVCacheManager:
         reserve_thread: bool = True,
         limit_bytes: int | None = None,
         guarantee_bytes: int | None = None,
+        idle_release_s: float = 1.0,
     ) -> None:
         self.name = name if name is not None else f"{os.getpid()}-{next(_names)}"
         if pool == "default":
@@ -196,7 +197,7 @@ class KVCacheManager:
         self.space = KVSpace(
             geometry, device=device, null_block=null_block, reserve=reserve,
             reserve_thread=reserve_thread, limit_bytes=limit_bytes, pool=pool, name=self.name,
-            guarantee_bytes=guarantee_bytes,
+            guarantee_bytes=guarantee_bytes, idle_release_s=idle_release_s,
         )
         self.pool = self.space.pool.name if self.space.pool is not None else "-"
 
@@ -249,7 +250,14 @@ class KVCacheManager:
         r = self._native.alloc(n)
         if not isinstance(r, _ndarray):
             alloc_failed(r, n)
+        if _trace["level"] <= _DEBUG:
+            self._trace_pages()
         return r
+
+    def _trace_pages(self) -> None:
+        """DEBUG only: the page commits / releases the last native alloc / free made inline."""
+        if (c := self._native.last_alloc_commits):
+            self._log.debug("pages.committed", pages=c, by="alloc")
 
     def alloc_nowait(self, n: int, *, priority: int = 0) -> BlockIds:
         """n block ids now, or :class:`PoolExhausted` (never queues, never barges)."""
@@ -269,6 +277,7 @@ class KVCacheManager:
             alloc_failed(r, n)
         self._at_once += 1
         if _trace["level"] <= _DEBUG:
+            self._trace_pages()
             self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
         return r
 
@@ -288,6 +297,7 @@ class KVCacheManager:
             if isinstance(r, _ndarray):
                 self._at_once += 1
                 if _trace["level"] <= _DEBUG:
+                    self._trace_pages()
                     self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
                 return r
             if r.code == _core_code_unsatisfiable:
@@ -510,6 +520,8 @@ class KVCacheManager:
             available = self.space._free(blocks)
         if _trace["level"] <= _DEBUG:  # per-request events only when DEBUG is on
             self._log.debug("free", n=len(blocks) if isinstance(blocks, Sized) else None)
+            if (released := self._native.last_free_releases):
+                self._log.debug("pages.released", pages=released, by="free")
         if self._priorities:
             self._dispatch(available)
         if self._limit_state is _DEFERRED:

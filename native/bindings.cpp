@@ -368,6 +368,10 @@ NB_MODULE(_native, m) {
         .def_prop_ro("share_fd", &Space::share_fd, "The memfd another process can map (-1: none).")
         .def("report_waiting", &Space::report_waiting, "waiting"_a, nb::call_guard<nb::gil_scoped_release>())
         .def_prop_ro("eventfd", &Space::eventfd)
+        .def_prop_ro("last_alloc_commits", &Space::last_alloc_commits,
+                     "Pages the last alloc committed inline (for debug traces).")
+        .def_prop_ro("last_free_releases", &Space::last_free_releases,
+                     "Pages the last free released inline (for debug traces).")
         .def_prop_ro("closed", &Space::closed)
         .def("close", &Space::close, nb::call_guard<nb::gil_scoped_release>());
 

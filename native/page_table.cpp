@@ -129,20 +129,21 @@ void PageTable::take(int32_t p, int64_t k, int64_t*& out) {
     if (pg.nfree > 0) bucket_insert(p);
 }
 
-bool PageTable::give_back_batch(const int64_t* ids, const int32_t* pages, size_t n) {
+bool PageTable::give_back_batch(const int64_t* ids, size_t n) {
     if (++batch_ == 0) {  // wrapped: no page may carry the new stamp already
         for (Page& pg : pages_) pg.batch = 0;
         batch_ = 1;
     }
     touched_.clear();
     for (size_t i = 0; i < n; ++i) {
-        Page& pg = pages_[pages[i]];
+        const int32_t p = static_cast<int32_t>(page_of(ids[i]));
+        Page& pg = pages_[p];
         if (pg.batch != batch_) {
             // First block of this page in the batch: out of its bucket (and
             // out of partial_free_) until the batch is applied.
             pg.batch = batch_;
-            touched_.push_back(pages[i]);
-            if (pg.nfree > 0) bucket_remove(pages[i]);
+            touched_.push_back(p);
+            if (pg.nfree > 0) bucket_remove(p);
             partial_free_ -= pg.nfree;
         }
         held_[ids[i]] = BlockHold::Free;

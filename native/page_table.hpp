@@ -80,10 +80,10 @@ public:
 
     // Blocks: take k from ACTIVE page p (writes ids).
     void take(int32_t p, int64_t k, int64_t*& out);
-    // Give a validated batch back (ids[i] on page pages[i]): each page
+    // Give a validated batch of held ids back: each page
     // touched moves between buckets once, not once per block. Returns true
     // if any page emptied (it is RESERVE then).
-    bool give_back_batch(const int64_t* ids, const int32_t* pages, size_t n);
+    bool give_back_batch(const int64_t* ids, size_t n);
     // Page of a block id (0 <= id < num_blocks), or -1 when the block
     // straddles a page boundary: the geometry formula, a shift when a page
     // holds a power-of-two number of whole blocks.

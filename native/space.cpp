@@ -436,12 +436,12 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
     }
     idle_low_water_ = std::min(idle_low_water_, table_.count(PageState::Reserve));
     if (committed) *committed = static_cast<int64_t>(plan.size());
+    last_alloc_commits_.store(static_cast<int64_t>(plan.size()), std::memory_order_relaxed);
     // The plan guaranteed enough blocks; anything else is a bookkeeping bug.
     if (remaining != 0) std::abort();
     used_ += n;
     ++counters_.allocs;
     if (budget_.want_pages() > 0 && waiting_.load() == 0) budget_.publish_want(0);
-    *available = available_locked();
     if (cfg_.reserve_thread && table_.idle() < cfg_.reserve_min) cv_.notify_all();
     return Status::ok();
 }
@@ -463,37 +463,25 @@ Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int
         if (available) *available = available_locked();
         return Status::ok();
     }
-    std::string why;
-    std::vector<int64_t>& marked = free_ids_;
-    marked.clear();
-    marked.reserve(static_cast<size_t>(std::min<int64_t>(n, cfg_.num_blocks)));
-    auto reject = [&](int64_t id, const char* reason) {
-        if (bad->size() < 16) why += (why.empty() ? "" : "; ") + std::to_string(id) + " " + reason;
-        bad->push_back(id);
-    };
-    std::vector<int32_t>& page_of = free_pages_;
-    page_of.clear();
-    page_of.reserve(static_cast<size_t>(std::min<int64_t>(n, cfg_.num_blocks)));
+    // The blocking path runs without the GIL: the caller's buffer may change
+    // under us, so validate and apply a copy. The non-blocking one holds the
+    // GIL: the buffer is stable, read it in place.
+    if (!nonblocking) {
+        free_ids_.assign(ids, ids + n);
+        ids = free_ids_.data();
+    }
+    // Validate the whole batch, marking each good id (a repeat sees its mark).
+    bool ok = true;
     for (int64_t i = 0; i < n; ++i) {
         const int64_t id = ids[i];
-        if (id < 0 || id >= cfg_.num_blocks) { reject(id, "is out of range"); continue; }
-        const int64_t p = table_.page_of(id);
-        if (p < 0) { reject(id, "straddles a page boundary (never allocated)"); continue; }
-        if (cfg_.null_block && id == 0) { reject(id, "is the null block"); continue; }
-        if (table_.hold(id) == BlockHold::Marked) { reject(id, "is repeated in this batch"); continue; }
-        if (table_.hold(id) == BlockHold::Free) { reject(id, "is not allocated (double free?)"); continue; }
+        if (id < 0 || id >= cfg_.num_blocks || table_.hold(id) != BlockHold::Held || (cfg_.null_block && id == 0)) {
+            ok = false;
+            continue;
+        }
         table_.set_hold(id, BlockHold::Marked);
-        marked.push_back(id);
-        page_of.push_back(static_cast<int32_t>(p));
     }
-    if (!bad->empty()) {
-        for (int64_t id : marked) table_.set_hold(id, BlockHold::Held);  // nothing freed
-        if (bad->size() > 16) why += "; and " + std::to_string(bad->size() - 16) + " more";
-        return Status::make(Code::Invalid, "free: nothing freed: " + why);
-    }
-    // Apply the validated copy, never the caller's buffer again: it may
-    // change under us (the GIL is released).
-    const bool emptied = table_.give_back_batch(marked.data(), page_of.data(), marked.size());
+    if (!ok) return reject_free_locked(ids, n, bad);
+    const bool emptied = table_.give_back_batch(ids, static_cast<size_t>(n));
     used_ -= n;
     ++counters_.frees;
     commit_retry_at_ = {};  // memory came back: a failed refill may work now
@@ -511,16 +499,44 @@ Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int
     } else {
         const int64_t r = release_inline_locked();
         if (released) *released = r;
+        last_free_releases_.store(r, std::memory_order_relaxed);
     }
+    if (cfg_.reserve_thread || (release_due && !*release_due)) last_free_releases_.store(0, std::memory_order_relaxed);
     if (available) *available = available_locked();
     return Status::ok();
+}
+
+// A batch with a bad id: unmark the good ones (nothing is freed) and name
+// the bad ones, each with why.
+Status Space::reject_free_locked(const int64_t* ids, int64_t n, std::vector<int64_t>* bad) {
+    std::string why;
+    auto reject = [&](int64_t id, const char* reason) {
+        if (bad->size() < 16) why += (why.empty() ? "" : "; ") + std::to_string(id) + " " + reason;
+        bad->push_back(id);
+    };
+    // The marks still tell repeats apart: a good id's first occurrence
+    // unmarks it, so a later one finds it held.
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t id = ids[i];
+        if (id < 0 || id >= cfg_.num_blocks) { reject(id, "is out of range"); continue; }
+        if (table_.page_of(id) < 0) { reject(id, "straddles a page boundary (never allocated)"); continue; }
+        if (cfg_.null_block && id == 0) { reject(id, "is the null block"); continue; }
+        const BlockHold h = table_.hold(id);
+        if (h == BlockHold::Free) { reject(id, "is not allocated (double free?)"); continue; }
+        if (h == BlockHold::Held) { reject(id, "is repeated in this batch"); continue; }  // its mark was taken
+        table_.set_hold(id, BlockHold::Held);  // a good id's first occurrence: unmarked, not freed
+    }
+    if (bad->size() > 16) why += "; and " + std::to_string(bad->size() - 16) + " more";
+    return Status::make(Code::Invalid, "free: nothing freed: " + why);
 }
 
 int64_t Space::release_inline() {
     if (!check_usable().is_ok()) return 0;
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_ || cfg_.reserve_thread) return 0;
-    return release_inline_locked();
+    const int64_t r = release_inline_locked();
+    last_free_releases_.store(r, std::memory_order_relaxed);
+    return r;
 }
 
 bool Space::inline_release_due_locked() const {

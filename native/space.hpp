@@ -68,8 +68,8 @@ public:
     Space& operator=(const Space&) = delete;
 
     // All-or-nothing: writes n ids to out, or changes nothing and returns a
-    // Shortage (with *available set), Unsatisfiable (n beyond what the tenant
-    // can ever hold) or another failure. *committed (optional) = pages this
+    // Shortage (with *available set; on success it is not computed),
+    // Unsatisfiable (n beyond what the tenant can ever hold) or another failure. *committed (optional) = pages this
     // call committed inline.
     // nonblocking: return WouldBlock, before changing anything, instead of
     // waiting for the mutex, committing a page, waiting for a page in flight
@@ -101,6 +101,11 @@ public:
     bool settle(double timeout_s);
     void inject_fault(FaultKind kind, int64_t nth, int err);
     int64_t allocated_bytes();
+    // Pages the last alloc committed / the last free (or release_inline)
+    // released inline: read by the caller's thread right after its call,
+    // for debug traces only.
+    int64_t last_alloc_commits() const { return last_alloc_commits_.load(std::memory_order_relaxed); }
+    int64_t last_free_releases() const { return last_free_releases_.load(std::memory_order_relaxed); }
     void* region_base(int64_t region) const { return backend_->region_base(region); }
     int device_type() const { return backend_->device_type(); }
     int device_id() const { return backend_->device_id(); }
@@ -137,6 +142,7 @@ private:
     void released_locked(int32_t p);
     int64_t release_inline_locked();
     bool inline_release_due_locked() const;
+    Status reject_free_locked(const int64_t* ids, int64_t n, std::vector<int64_t>* bad);
     Status do_commit(int32_t p, int injected_err);
     Status do_release(int32_t p, int injected_err);
     int consume_fault_locked(FaultKind kind);
@@ -176,9 +182,8 @@ private:
     std::chrono::steady_clock::time_point idle_tick_at_ = std::chrono::steady_clock::time_point::max();
     int64_t idle_low_water_ = 0;   // fewest RESERVE pages seen since the interval began
     int64_t idle_surplus_ = 0;     // pages the last interval found unused: may be released now
-    // Scratch for free()'s validated copy (under mu_): no allocation per call.
+    // Scratch for free()'s copy of the ids on its blocking path (under mu_).
     std::vector<int64_t> free_ids_;
-    std::vector<int32_t> free_pages_;
     bool stop_ = false;
     std::atomic<bool> closed_{false};
     bool close_done_ = false;
@@ -188,6 +193,7 @@ private:
     std::thread watcher_;  // futex-waits on the pool generation (cross-process wake-ups)
     int64_t pcb_ = 0;  // bytes per page commit: num_regions * page_bytes
     std::atomic<int32_t> waiting_{0};
+    std::atomic<int64_t> last_alloc_commits_{0}, last_free_releases_{0};
     int64_t last_want_pages_ = 0;  // pages the last shortage lacked (published while requests wait)
     uint64_t fork_epoch_ = 0;
     uint32_t watch_from_ = 0;  // pool generation the watcher starts from

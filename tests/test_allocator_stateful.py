@@ -32,8 +32,11 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        # With the thread, an idle interval no run outlives: idle pages above
+        # max then go back only on pressure (a limit, trim), never on the
+        # thread's clock between two invariant checks.
         self.space = KVSpace(GEOMETRY, reserve=(1, 2), reserve_thread=self.thread, null_block=False,
-                             device=self.device)
+                             device=self.device, idle_release_s=3600.0)
         self.held: set[int] = set()
         self.fault_armed = False
 

@@ -105,12 +105,12 @@ async def test_a_free_that_grants_a_waiter_makes_two_native_calls() -> None:
             for _ in range(20):
                 await anyio.lowlevel.checkpoint()
             assert m.waiting == 1
-            counting = _CountingSpace(m.space._space)
-            native, m.space._space = m.space._space, counting  # type: ignore[assignment]
+            counting = _CountingSpace(m._native)
+            native, m._native = m._native, counting  # type: ignore[assignment]
             try:
                 m.free(held[:8])
             finally:
-                m.space._space = native
+                m._native = native
             assert counting.calls == ["free", "alloc"]
         assert len(got) == 8
 

@@ -26,9 +26,11 @@ def test_thread_commits_the_minimum_reserve_before_any_alloc() -> None:
         assert space.drain_wakeups() >= 1  # each commit signals the eventfd
 
 
-def test_steady_alloc_free_loop_stays_within_min_and_max() -> None:
+def test_steady_alloc_free_loop_stays_within_min_and_max_without_an_idle_interval() -> None:
+    # idle_release_s=0: pages above max go back as they empty (the default
+    # keeps them through an idle interval: tests/test_hot_path.py).
     rng = random.Random(7)
-    with KVSpace(G, reserve=(2, 4)) as space:
+    with KVSpace(G, reserve=(2, 4), idle_release_s=0) as space:
         held: list[int] = []
         for step in range(600):
             if held and (rng.random() < 0.5 or space.available() < 40):
