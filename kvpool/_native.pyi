@@ -224,9 +224,10 @@ def page_ranges(page_bytes: int, block_bytes: int, num_blocks: int) -> tuple[obj
     """Per-page block ranges [first, last) of a geometry (the one formula)."""
 
 class Space:
-    def alloc(self, n: int) -> tuple[int, object, int, int, str]:
+    def alloc(self, n: int, promised: bool = False) -> tuple[int, object, int, int, str]:
         """
-        All-or-nothing: (code, ids | None, available, pages committed inline, message).
+        All-or-nothing: (code, ids | None, available, pages committed inline, message). promised: granted as
+        an earlier available() said, even if this tenant lends now (limit and pool capacity still apply).
         """
 
     def free(self, ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple[int, list[int], int, int, str]:

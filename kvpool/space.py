@@ -262,18 +262,27 @@ class KVSpace:
         return lo, hi
 
     # -- allocation ---------------------------------------------------------
-    def alloc(self, n: int) -> BlockIds:
+    def alloc(self, n: int, *, promised: bool = False) -> BlockIds:
         """Allocate ``n`` blocks, all or nothing.
 
         Raises :class:`PoolExhausted` (with ``requested``/``available``) when
         they are not there; nothing changes then.
-        """
-        return self._alloc(n)[0]
 
-    def _alloc(self, n: int) -> tuple[BlockIds, int, int]:
+        ``promised=True``: the caller read ``available() >= n`` while this
+        tenant was not lending and has already told its engine the blocks are
+        there; a tenant below its guarantee (another process) may have started
+        waiting since. The alloc is then granted as that count said: the
+        lending verdict and the waiters' claims on free memory do not refuse
+        it, the limit and the pool's free bytes still do. Use it only right
+        after such a count (the vLLM plugin's ``get_new_blocks`` after its
+        ``get_num_free_blocks``); the next count reads the new verdict.
+        """
+        return self._alloc(n, promised=promised)[0]
+
+    def _alloc(self, n: int, *, promised: bool = False) -> tuple[BlockIds, int, int]:
         """``alloc`` that also returns (pages committed inline, available after)."""
         n = V.integer("n", n)
-        code, ids, available, committed, msg = self._space.alloc(n)
+        code, ids, available, committed, msg = self._space.alloc(n, bool(promised))
         if code != _core.CODE_OK:
             max_blocks = int(self._space.max_blocks()) if code == _core.CODE_UNSATISFIABLE else 0
             _core.raise_status(code, msg, requested=n, available=available, max_blocks=max_blocks)

@@ -161,7 +161,7 @@ NB_MODULE(_native, m) {
     nb::class_<Space>(m, "Space")
         .def(
             "alloc",
-            [](Space& s, int64_t n) {
+            [](Space& s, int64_t n, bool promised) {
                 int64_t* data = nullptr;
                 // No buffer for requests beyond capacity: the core answers
                 // those with a shortage before touching it.
@@ -171,12 +171,14 @@ NB_MODULE(_native, m) {
                 Status st;
                 {
                     nb::gil_scoped_release nogil;
-                    st = s.alloc(n, data, &available, &committed);
+                    st = s.alloc(n, data, &available, &committed, promised);
                 }
                 nb::object out = st.is_ok() ? nb::object(nb::cast(ids)) : nb::none();
                 return std::make_tuple(static_cast<int>(st.code), out, available, committed, st.message);
             },
-            "n"_a, "All-or-nothing: (code, ids | None, available, pages committed inline, message).")
+            "n"_a, "promised"_a = false,
+            "All-or-nothing: (code, ids | None, available, pages committed inline, message). promised: granted as\n"
+            "an earlier available() said, even if this tenant lends now (limit and pool capacity still apply).")
         .def(
             "free",
             [](Space& s, IdInput ids) {
