@@ -446,28 +446,30 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[KVSpac
     get_logger(pool=space.pool.name if space.pool else None, tenant=space.name).info(
         "vllm space created", num_blocks=g.num_blocks, num_layers=g.num_layers, block_bytes=g.block_bytes,
         page_bytes=g.page_bytes, device=device, pid=os.getpid())
-    _log_start(space, block_size)
+    _log_start(space, block_size, int(vllm_config.model_config.max_model_len))
     return space, handle
 
 
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
 
 
-def _log_start(space: KVSpace, block_size: int) -> None:
+def _log_start(space: KVSpace, block_size: int, max_model_len: int) -> None:
     """The one line that says the plugin is on, at vLLM's default level, with
     the physical figures beside vLLM's virtual "KV cache size"."""
     g, st = space.geometry, space.stats()
     per_block = g.region_block_bytes * g.num_regions
     virtual = g.capacity - 1  # less the null block
     pool = space.pool
+    concurrency = st.max_blocks * block_size / max_model_len
     _vllm_log.info(
-        "kvpool is on: pool '%s' (capacity %s), tenant '%s'; vLLM's KV cache size is virtual: %d blocks "
-        "(%d tokens, %s reserved, none committed); page %d bytes per layer (%s per commit); the pool can back "
-        "%d blocks now (%d tokens), at most %d (%s); committed %s",
-        pool.name if pool else "-", _mib(pool.capacity) if pool else "-", space.name, virtual, virtual * block_size,
-        _mib(virtual * per_block), g.page_bytes, _mib(g.page_commit_bytes), st.available, st.available * block_size,
-        st.max_blocks, _mib(st.max_blocks * per_block), _mib(st.committed_bytes))
+        "kvpool is on: pool '%s' (capacity %s), tenant '%s'; vLLM's KV cache size above is virtual: %d blocks "
+        "(%d tokens, %s of address space); page %d bytes per layer (%s per commit); the pool can back %d blocks "
+        "now (%d tokens), at most %d (%s, maximum concurrency %.2fx for %d tokens per request); committed %s",
+        pool.name if pool else "-", _size(pool.capacity) if pool else "-", space.name, virtual,
+        virtual * block_size, _size(virtual * per_block), g.page_bytes, _size(g.page_commit_bytes), st.available,
+        st.available * block_size, st.max_blocks, _size(st.max_blocks * per_block), concurrency, max_model_len,
+        _size(st.committed_bytes))
 
 
 def _views(kv_cache_config: Any, device: Any, layout: Any,

@@ -99,6 +99,8 @@ class _ChosenBlocks:
 class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
     """vLLM's ``BlockPool`` contract over a kvpool :class:`~kvpool.KVSpace`."""
 
+    free_block_queue: Any  # vLLM's FreeKVCacheBlockQueue (a _ChosenBlocks view inside get_new_blocks)
+
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int, *args: Any,
                  space: KVSpace, **kwargs: Any) -> None:
         if not isinstance(space, KVSpace):
@@ -154,7 +156,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
         if num_blocks <= 0:
             return []
-        queue = self.free_block_queue
+        queue: Any = self.free_block_queue
         queued = int(queue.num_free_blocks)
         # vLLM's contract: beyond the free count is a ValueError. The count
         # vLLM last read stands even if a fresh one would say less (issue 14).
