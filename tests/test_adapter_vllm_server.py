@@ -21,6 +21,7 @@ import random
 import socket
 import subprocess
 import threading
+import urllib.error
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +78,7 @@ class Server:
         self.port = _free_port()
         self.model = model
         self.lines: list[str] = []
+        self.refused = 0  # connects refused and retried (see complete)
         self._changed = threading.Condition()
         self._ended = False
         self.proc = subprocess.Popen(
@@ -109,8 +111,21 @@ class Server:
                            "ignore_eos": True}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            out: dict[str, Any] = json.loads(r.read())
+        for attempt in range(20):
+            try:
+                with urllib.request.urlopen(req, timeout=600) as r:
+                    out: dict[str, Any] = json.loads(r.read())
+                break
+            except urllib.error.URLError as e:
+                # Seen once in this sandbox under load: a few of 20 simultaneous
+                # connects refused by a server that was up and serving the rest
+                # (cause not found). A client retries a refused connect; the
+                # request itself was never received, so it is not sent twice.
+                if not isinstance(e.reason, ConnectionRefusedError) or attempt == 19:
+                    raise
+                self.refused += 1
+                threading.Event().wait(0.05 * (attempt + 1))
+
         assert out["usage"]["completion_tokens"] == MAX_TOKENS, out
         return str(out["choices"][0]["text"])
 
@@ -175,7 +190,7 @@ def test_openai_server_with_the_plugin_answers_20_concurrent_completions_as_stoc
         done.set()
         log = server.stop()
         Pool.remove(name)
-    (tmp_path / "plugin-server.log").write_text(log)
+        (tmp_path / "plugin-server.log").write_text(log)  # kept for a failure's post-mortem
     assert got == expected  # greedy: identical to the stock server
     assert 0 < peak[0] <= cap  # the plugin committed memory, never more than the pool
     # One line at vLLM's default level says the plugin is on, with its figures.
@@ -183,5 +198,6 @@ def test_openai_server_with_the_plugin_answers_20_concurrent_completions_as_stoc
     assert len(start) == 1, log[-6000:]
     line = start[0]
     assert f"pool '{name}'" in line and "tenant 'server'" in line, line
-    assert "KV cache size is virtual" in line and f"page {PAGE} bytes" in line, line
+    assert "KV cache size above is virtual" in line and f"page {PAGE} bytes" in line, line
+    assert "maximum concurrency" in line and "the pool can back" in line, line
     assert "INFO" in line, line  # vLLM's format and level, not a kvpool debug event
