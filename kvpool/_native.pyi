@@ -248,6 +248,12 @@ class Space:
         All-or-nothing: n block ids (int64 array), or a Failure (nothing changed).
         """
 
+    def alloc_promised(self, n: int) -> numpy.typing.NDArray[numpy.int64] | Failure:
+        """
+        alloc granted as an earlier available() said, even if this tenant lends now (its limit and the
+        pool's free bytes still apply).
+        """
+
     def free(self, ids: numpy.typing.NDArray[numpy.int64]) -> int | Failure:
         """
         Validates the whole batch first: blocks available after it, or a Failure naming the bad ids (nothing freed). TypeError unless ids is a 1-D C-contiguous int64 numpy array.
@@ -308,6 +314,14 @@ class Space:
 
     @property
     def eventfd(self) -> int: ...
+
+    @property
+    def last_alloc_commits(self) -> int:
+        """Pages the last alloc committed inline (for debug traces)."""
+
+    @property
+    def last_free_releases(self) -> int:
+        """Pages the last free released inline (for debug traces)."""
 
     @property
     def closed(self) -> bool: ...

@@ -282,16 +282,25 @@ class KVSpace:
     # The hot path is one native call each way: the native core validates n
     # and the ids itself, and a plain int / canonical int64 array skips every
     # Python-side check (anything else takes the checked path, same errors).
-    def alloc(self, n: int) -> BlockIds:
+    def alloc(self, n: int, *, promised: bool = False) -> BlockIds:
         """Allocate ``n`` blocks, all or nothing.
 
         Raises :class:`PoolExhausted` (with ``requested``/``available``) when
         they are not there; nothing changes then.
+
+        ``promised=True``: the caller read ``available() >= n`` while this
+        tenant was not lending and has already told its engine the blocks are
+        there; a tenant below its guarantee (another process) may have started
+        waiting since. The alloc is then granted as that count said: the
+        lending verdict and the waiters' claims on free memory do not refuse
+        it, the limit and the pool's free bytes still do. Use it only right
+        after such a count (the vLLM plugin's ``get_new_blocks`` after its
+        ``get_num_free_blocks``); the next count reads the new verdict.
         """
         if type(n) is not int:
             n = V.integer("n", n)
         try:
-            r = self._space.alloc(n)
+            r = self._space.alloc_promised(n) if promised else self._space.alloc(n)
         except TypeError:  # an int beyond int64: the checked path names it
             raise ValueError(f"n must be <= {V.INT64_MAX} (the native core's int64), got {n}") from None
         if not isinstance(r, _ndarray):

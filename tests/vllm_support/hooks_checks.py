@@ -1,0 +1,209 @@
+"""The plugin's patch table against real vLLM, in the vLLM venv.
+
+Run with the vLLM venv's Python: ``python hooks_checks.py``. Each check
+starts and ends with vLLM unpatched; the script prints one JSON object
+{check name: "ok" | traceback} (tests/test_adapter_vllm_hooks.py asserts
+every entry is "ok"). No engine is started: these are the install's own
+contracts (all-or-nothing, idempotent, reversible, version-gated).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import vllm
+
+from kvpool.adapters.vllm import _hooks as H
+
+CHECKS: dict[str, Callable[[], None]] = {}
+
+
+def check(fn: Callable[[], None]) -> Callable[[], None]:
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def targets() -> dict[str, Any]:
+    """What every patch point's attribute is bound to right now."""
+    out: dict[str, Any] = {}
+    for point in H.PATCHES:
+        r = H._resolve(point)
+        if r is None:
+            continue
+        owner, leaf, _ = r
+        out[point.name] = getattr(owner, leaf)
+    return out
+
+
+def assert_stock(stock: dict[str, Any]) -> None:
+    now = targets()
+    assert now.keys() == stock.keys(), (now.keys(), stock.keys())
+    changed = [name for name in stock if now[name] is not stock[name]]
+    assert not changed, f"still patched: {changed}"
+    assert not H.installed()
+
+
+def assert_patched_once(stock: dict[str, Any]) -> None:
+    now = targets()
+    for name, original in stock.items():
+        replacement = now[name]
+        assert getattr(replacement, "__kvpool_patch__", None) == name, name
+        assert replacement.__wrapped__ is original, f"{name} wraps a replacement, not vLLM's original"
+    assert H.installed()
+
+
+def boom(original: Any) -> Any:
+    raise RuntimeError("injected: this patch point's replacement cannot be built")
+
+
+@check
+def a_patch_point_failing_midway_leaves_vllm_unpatched_and_a_second_install_is_clean() -> None:
+    stock = targets()
+    half = len(H.PATCHES) // 2
+    failing = H.PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output", boom)
+    try:
+        H.install(H.PATCHES[:half] + (failing,) + H.PATCHES[half:])
+    except RuntimeError as e:
+        assert "injected" in str(e), e
+    else:
+        raise AssertionError("the failing patch point did not fail the install")
+    assert_stock(stock)  # the points set before the failure were put back
+    # A setter that refuses (a built-in type) midway, too.
+    frozen = H.PatchPoint("builtins", "int.bit_length", lambda original: (lambda self: 0))
+    try:
+        H.install(H.PATCHES[:half] + (frozen,) + H.PATCHES[half:])
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("setting an attribute of int must fail")
+    assert_stock(stock)
+    H.install()
+    try:
+        assert_patched_once(stock)
+    finally:
+        H.uninstall()
+    assert_stock(stock)
+
+
+@check
+def an_unresolvable_patch_point_refuses_by_name_and_patches_nothing() -> None:
+    stock = targets()
+    gone = H.PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler.renamed_in_a_later_vllm", boom)
+    try:
+        H.install(H.PATCHES + (gone,))
+    except H.UnsupportedVLLM as e:
+        assert "vllm.v1.core.sched.scheduler.Scheduler.renamed_in_a_later_vllm" in str(e), e
+        assert "nothing was patched" in str(e), e
+    else:
+        raise AssertionError("an attribute that does not exist must refuse the install")
+    assert_stock(stock)
+
+
+@check
+def install_twice_wraps_once_and_uninstall_restores_every_original() -> None:
+    stock = targets()
+    H.install()
+    first = targets()
+    H.install()  # a retry (vLLM loads plugins in several places): a no-op
+    assert targets() == first and all(first[n] is targets()[n] for n in first)
+    assert_patched_once(stock)
+    H.uninstall()
+    assert_stock(stock)
+    H.uninstall()  # nothing installed: a no-op
+    H.install()  # and again, from stock: one level of wrapping
+    try:
+        assert_patched_once(stock)
+    finally:
+        H.uninstall()
+    assert_stock(stock)
+
+
+@check
+def an_untested_vllm_release_is_refused_naming_the_range_unless_forced() -> None:
+    stock = targets()
+    real = vllm.__version__
+    os.environ.pop(H.ALLOW_UNTESTED_ENV, None)
+    try:
+        for ok in ("0.32.0", "0.32.7", "0.32.0+cpu", "0.32.1.dev3"):
+            H.check_version(ok)
+        for bad in ("0.33.0", "0.31.2", "1.0.0", "unknown"):
+            vllm.__version__ = bad
+            try:
+                H.install()
+            except H.UnsupportedVLLM as e:
+                msg = str(e)
+                assert ">=0.32,<0.33" in msg and f"vLLM {bad}" in msg and H.ALLOW_UNTESTED_ENV in msg, msg
+            else:
+                raise AssertionError(f"vLLM {bad} must be refused")
+            assert_stock(stock)
+        records: list[logging.LogRecord] = []
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                records.append(record)
+
+        keep = Keep()
+        H._vllm_log.addHandler(keep)
+        os.environ[H.ALLOW_UNTESTED_ENV] = "1"
+        try:
+            H.install()  # forced: patched, with a warning naming the range
+            assert_patched_once(stock)
+        finally:
+            H._vllm_log.removeHandler(keep)
+            H.uninstall()
+        assert any(r.levelno == logging.WARNING and ">=0.32,<0.33" in r.getMessage() for r in records), records
+    finally:
+        vllm.__version__ = real
+        os.environ.pop(H.ALLOW_UNTESTED_ENV, None)
+    assert_stock(stock)
+
+
+@check
+def the_block_pool_is_found_through_the_configs_handle_not_by_size() -> None:
+    from types import SimpleNamespace
+
+    stock = targets()
+    H.install()
+    try:
+        import vllm.v1.core.kv_cache_coordinator as coordinator
+
+        cfg = SimpleNamespace()  # a KVCacheConfig without the plugin's handle
+        H._building.config = cfg
+        try:
+            coordinator.BlockPool(16, False, 16)
+        except RuntimeError as e:
+            assert "carries no kvpool space" in str(e), e
+        else:
+            raise AssertionError("a config without a handle must not get some other space's pool")
+        finally:
+            H._building.config = None
+    finally:
+        H.uninstall()
+    assert_stock(stock)
+
+
+def main() -> None:
+    # Imported up front, as a worker process has them: the table's
+    # "if imported" points are then patched and checked too.
+    import vllm.v1.worker.gpu.attn_utils  # noqa: F401
+    import vllm.v1.worker.gpu_model_runner  # noqa: F401
+
+    results: dict[str, str] = {}
+    for name, fn in CHECKS.items():
+        try:
+            fn()
+            results[name] = "ok"
+        except BaseException:
+            results[name] = traceback.format_exc()
+        finally:
+            H.uninstall()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
