@@ -66,14 +66,19 @@ bool tenant_dead(int32_t pid, uint64_t start_time) {
     return start_time != 0 && start != 0 && start != start_time;
 }
 
-// A stored name as text a reader can print: the bytes up to NUL, anything
-// outside the name alphabet (a corrupted or hostile slot) shown as '?'.
-std::string sanitized_name(const char* raw) {
-    const size_t n = strnlen(raw, kNameBytes - 1);
-    std::string s(raw, n);
-    for (char& c : s)
-        if (!name_char(c)) c = '?';
-    return s;
+// A stored name as text a reader can print (issue 10). A valid name is
+// shown as it is. Anything else is a corrupted or hostile slot: it is shown as
+// "?slot<N>", followed by ":<prefix>" when the bytes start with name
+// characters (at most 16 of them), so the row stays short and recognisable
+// (once 71 '?' for 71 bad bytes), no two corrupt slots look alike, and the
+// leading '?' keeps it from ever equalling a valid tenant's name.
+constexpr size_t kCorruptPrefix = 16;
+std::string sanitized_name(const char* raw, int slot) {
+    const std::string s(raw, strnlen(raw, kNameBytes));  // kNameBytes long: no NUL, too long to be valid
+    if (valid_name(s)) return s;
+    size_t prefix = 0;
+    while (prefix < s.size() && prefix < kCorruptPrefix && name_char(s[prefix])) ++prefix;
+    return "?slot" + std::to_string(slot) + (prefix > 0 ? ":" + s.substr(0, prefix) : "");
 }
 
 }  // namespace
@@ -81,6 +86,33 @@ std::string sanitized_name(const char* raw) {
 bool valid_name(const std::string& name) {
     if (name.empty() || name.size() > static_cast<size_t>(kMaxNameLen) || !alnum(name[0])) return false;
     return std::all_of(name.begin(), name.end(), name_char);
+}
+
+std::string quoted_name(const std::string& name) {
+    constexpr size_t kShown = 80;  // characters of the escaped text; past it, "..." and the length
+    static const char hex[] = "0123456789abcdef";
+    std::string out = "'";
+    size_t i = 0;
+    for (; i < name.size() && out.size() <= kShown; ++i) {
+        const unsigned char c = static_cast<unsigned char>(name[i]);
+        if (c == '\\' || c == '\'') {
+            out += '\\';
+            out += static_cast<char>(c);
+        } else if (c >= 0x20 && c < 0x7f) {
+            out += static_cast<char>(c);
+        } else if (c == '\n') {
+            out += "\\n";
+        } else if (c == '\t') {
+            out += "\\t";
+        } else {
+            out += "\\x";
+            out += hex[c >> 4];
+            out += hex[c & 15];
+        }
+    }
+    out += '\'';
+    if (i < name.size()) out += "... (" + std::to_string(name.size()) + " bytes)";
+    return out;
 }
 
 uint64_t process_start_time(int32_t pid) { return process_stat(pid).second; }
@@ -125,7 +157,7 @@ const TenantRow* LedgerSnapshot::find(int slot) const {
 
 std::shared_ptr<Ledger> Ledger::open(const std::string& name, int64_t capacity, bool create, Status* status) {
     if (!valid_name(name)) {
-        *status = Status::make(Code::Invalid, "bad pool name '" + name + "'");
+        *status = Status::make(Code::Invalid, "bad pool name " + quoted_name(name));
         return nullptr;
     }
     if (create && capacity <= 0) {
@@ -283,7 +315,7 @@ LedgerSnapshot Ledger::snapshot(bool names) const {
         r.slot = i;
         r.pid = pid;
         r.visible = t.pidns.load(kSeq) == my_pidns_;
-        if (names) r.name = sanitized_name(t.name);
+        if (names) r.name = sanitized_name(t.name, i);
         // Clamped to [0, capacity]: a corrupted or hostile row must not wrap a sum.
         r.claimed = std::clamp<int64_t>(t.claimed.load(kSeq), 0, s.capacity);
         r.pending = std::clamp<int64_t>(t.pending.load(kSeq), 0, s.capacity);
@@ -326,8 +358,8 @@ bool Ledger::anyone_waiting(int slot) const {
 
 Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int64_t guarantee_bytes, int* slot) {
     if (!valid_name(name))
-        return Status::make(Code::Invalid, "bad tenant name '" + name +
-                                               "': use 1-64 characters from [A-Za-z0-9._-], starting with a "
+        return Status::make(Code::Invalid, "bad tenant name " + quoted_name(name) +
+                                               ": use 1-64 characters from [A-Za-z0-9._-], starting with a "
                                                "letter or digit");
     reap();
     const int32_t me = static_cast<int32_t>(getpid());
@@ -350,7 +382,7 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
         for (const auto& r : snapshot().rows)
             if (r.name == name)
                 return Status::make(Code::Invalid,
-                                    "pool '" + name_ + "' already has a live tenant named '" + name + "'");
+                                    "pool '" + name_ + "' already has a live tenant named " + quoted_name(name));
         int mine = -1;
         for (int i = 0; i < kMaxTenants && mine < 0; ++i) {
             int32_t expect = 0;
@@ -421,7 +453,7 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
         t.pid.store(0, kSeq);
         std::this_thread::sleep_for(std::chrono::microseconds(50 * (attempt + 1) * (1 + me % 7)));
     }
-    return Status::make(Code::Invalid, "pool '" + name_ + "' already has a live tenant named '" + name + "'");
+    return Status::make(Code::Invalid, "pool '" + name_ + "' already has a live tenant named " + quoted_name(name));
 }
 
 void Ledger::unregister_tenant(int slot) {
@@ -496,7 +528,7 @@ Status Ledger::find_tenant(const std::string& tenant, int* slot) {
             *slot = r.slot;
             return Status::ok();
         }
-    return Status::make(Code::Ledger, "pool '" + name_ + "' has no tenant '" + tenant + "'");
+    return Status::make(Code::Ledger, "pool '" + name_ + "' has no tenant " + quoted_name(tenant));
 }
 
 // ------------------------------------------------------------------- claims
