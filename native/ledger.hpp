@@ -193,6 +193,7 @@ private:
                     std::string* why);
     Status write_setting(int slot, bool guarantee, int64_t bytes, int64_t revision, LimitResult* result);
     bool reap_slot(int slot);
+    void free_slot(int slot);  // one clearing for a tenant leaving and a dead one reaped
 
     std::string name_;
     LedgerHeader* hdr_ = nullptr;
