@@ -31,41 +31,12 @@ Index mapping (the only thing this module owns; allocation is the space's)::
 Page 0 is SGLang's padding slot (padded tokens write dummy KV there): the
 space is made with ``null_block=True`` and ``num_pages + 1`` blocks.
 
-Freed pages stay in the space for a step. SGLang frees KV the GPU may still
-touch: the overlap scheduler (its default) frees a finished request in
-``process_batch_result`` while the next batch, which may still hold it, runs;
-EAGLE calls ``restore_state`` *before* its draft forward writes into the slots
-the restore just freed. Given to the space then, a page could be released
-(punched out on the CPU, unmapped on CUDA) under the kernel. So a free makes
-a page *pending*: logically free (counted by :meth:`available_size`, reused
-first by this allocator's allocs, as SGLang's free list would) but still held
-in the space, which gets it back at the second :meth:`flush` after the free::
-
-    FREE ──alloc──► HELD ──free──► PENDING ──flush──► PENDING (aged) ──flush──► FREE
-                     ▲                          │
-                     └── alloc, oldest first ───┘
-
-**Safe points.** Call :meth:`flush` at the end of every scheduler loop
-iteration, idle ones included (SGLang's loop keeps turning while idle, so an
-idle server gives memory back within two iterations). By the second flush
-the batch that could still read a page has had its output copied to the
-host, which waits for the kernels before it. :meth:`clear` (SGLang clears only
-when idle) and :meth:`close` return everything at once; nothing else returns
-pages, so without :meth:`flush` freed pages stay committed to this engine.
-
-Backups are single-use. SGLang's ``restore_state`` puts its free list back
-exactly: pages allocated since the backup are free again, pages freed since
-are held again. While a backup is live, a page allocated from the free pages
-is *NEW*, and a freed page that was held at the backup is *KEPT* (pending,
-but restore holds it again); the pages allocated since are listed, so a
-restore touches only them and the pending list::
-
-    restore:     NEW -> PENDING        KEPT -> HELD
-    backup ends: NEW -> HELD           KEPT -> PENDING
-
-Restoring ends the backup (no SGLang caller restores one twice: a second
-restore raises ``ValueError`` and changes nothing), and so do a new
-``backup_state()``, :meth:`flush` and :meth:`clear`.
+Freed pages stay in the space for a step, and backups are single-use: the
+page lifecycle (held, pending, aged, marked by a live backup) is
+:mod:`kvpool.adapters._sglang_pages`, whose essay says why. **Call**
+:meth:`KVPoolTokenAllocator.flush` **at the end of every scheduler loop
+iteration**, idle ones included: nothing else but :meth:`clear` and
+:meth:`close` returns freed pages to the space.
 
 Shortages. ``available_size()`` is what an alloc can deliver now: the
 space's free pages within its pool budget and limit, plus pending ones.
@@ -103,14 +74,13 @@ from kvpool import Geometry, InvalidBlocks, KVSpace, MiB, Pool, PoolClosed, Pool
 from kvpool.geometry import Layout
 from kvpool.pool import default_pool_name
 
+from ._sglang_pages import PageStates
+
 __all__ = ["AllocatorState", "KVPoolTokenAllocator"]
 
 Ids = npt.NDArray[np.int64]
 IntsLike = torch.Tensor | Sequence[int] | npt.NDArray[np.integer[Any]]
 
-# Per-page state (see the module essay). Page 0 stays _FREE here: the space holds it
-# as its null block and frees of it are refused by the range check.
-_FREE, _HELD, _NEW, _PENDING, _KEPT = 0, 1, 2, 3, 4
 _uids = itertools.count()
 _POLL_S = 0.05  # shortage wait: re-try at least this often (other engines' frees do not wake us)
 
@@ -136,7 +106,7 @@ class KVPoolTokenAllocator:
 
     Frees reach the space at the second :meth:`flush` after them: call
     :meth:`flush` at the end of every scheduler loop iteration, idle ones
-    included (module docstring, "Safe points").
+    included (:mod:`kvpool.adapters._sglang_pages`, "Safe points").
 
     Args:
         size: tokens SGLang may address (``max_total_num_tokens``); pages are
@@ -206,14 +176,7 @@ class KVPoolTokenAllocator:
                                  reserve_thread=reserve_thread, limit_bytes=limit_bytes, pool=pool, name=name)
             self._owns_space = True
 
-        self._state = np.zeros(want, dtype=np.int8)  # _FREE/_HELD/_NEW/_PENDING/_KEPT per page
-        # Pending and kept pages, oldest first; the first _aged have seen a flush
-        # (the next flush releases them). Kept pages are never aged: a flush ends the backup.
-        self._pending: Ids = np.empty(0, dtype=np.int64)
-        self._aged = 0
-        self._since: list[Ids] = []  # pages allocated while the live backup lasts
-        self._generation = 0
-        self._backup_live = False
+        self._pages = PageStates(want)  # every page's state, the pending pages and the live backup
         self.free_group: list[Ids] | None = None  # page ids per free() call, or None: no group
         self._closed = False
 
@@ -254,7 +217,7 @@ class KVPoolTokenAllocator:
     def available_size(self) -> int:
         """Tokens a following ``alloc`` can deliver: the space's free pages plus pending ones."""
         self._check_open()
-        return (self.space.available() + int(self._pending.size)) * self.page_size
+        return (self.space.available() + int(self._pages.pending.size)) * self.page_size
 
     def held_pages(self) -> torch.Tensor:
         """Page ids SGLang holds now, ascending (for audits and tests)."""
@@ -264,7 +227,7 @@ class KVPoolTokenAllocator:
     def pending_pages(self) -> torch.Tensor:
         """Page ids that are logically free but still held in the space, ascending."""
         self._check_open()
-        return torch.from_numpy(np.sort(self._pending))
+        return torch.from_numpy(np.sort(self._pages.pending))
 
     def get_all_free_pages(self) -> torch.Tensor:
         """Every page id SGLang does not hold (its free-list census; the pool may not back them all)."""
@@ -273,8 +236,7 @@ class KVPoolTokenAllocator:
         return torch.from_numpy(free).to(self.device)
 
     def _held_mask(self) -> npt.NDArray[np.bool_]:
-        held: npt.NDArray[np.bool_] = (self._state == _HELD) | (self._state == _NEW)
-        return held
+        return self._pages.held_mask()
 
     # -- allocation ----------------------------------------------------------
     def alloc(self, need_size: int) -> torch.Tensor | None:
@@ -365,7 +327,7 @@ class KVPoolTokenAllocator:
         if not last.size:
             return
         ps = self.page_size
-        bad = ((last + 1) % ps != pre % ps) | (last < ps) | (last >= self._state.size * ps)
+        bad = ((last + 1) % ps != pre % ps) | (last < ps) | (last >= self._pages.state.size * ps)
         if not bad.any():
             bad = ~self._held_mask()[last // ps]
         if bad.any():
@@ -374,22 +336,7 @@ class KVPoolTokenAllocator:
 
     def _take(self, n: int) -> Ids | None:
         """``n`` page ids, all or nothing: pending pages (oldest first), then the space."""
-        reuse = min(n, int(self._pending.size))
-        fresh: Ids = np.empty(0, dtype=np.int64)
-        if n > reuse:
-            got = self._alloc_space(n - reuse, n)
-            if got is None:
-                return None
-            fresh = got
-        pages = np.concatenate((self._pending[:reuse], fresh))
-        self._pending = self._pending[reuse:]
-        self._aged = max(0, self._aged - reuse)
-        if self._backup_live:
-            self._state[pages] = np.where(self._state[pages] == _KEPT, _HELD, _NEW)
-            self._since.append(pages)
-        else:
-            self._state[pages] = _HELD
-        return pages
+        return self._pages.take(n, lambda m: self._alloc_space(m, n))
 
     def _alloc_space(self, m: int, n: int) -> Ids | None:
         """``m`` blocks of the space, waiting (bounded) when only the pool budget is short."""
@@ -475,7 +422,7 @@ class KVPoolTokenAllocator:
         tokens = _ints(free_index, "token indices", InvalidBlocks)
         if tokens.size == 0:
             return tokens
-        ps, end = self.page_size, self._state.size * self.page_size
+        ps, end = self.page_size, self._pages.state.size * self.page_size
         bad = (tokens < ps) | (tokens >= end)
         if bad.any():
             raise InvalidBlocks(f"token indices {tokens[bad][:8].tolist()} are outside [{ps}, {end}) (page 0 is "
@@ -494,22 +441,13 @@ class KVPoolTokenAllocator:
 
     def _free_pages(self, pages: Ids) -> None:
         """Make unique pages SGLang holds pending (kept, if held at the live backup)."""
-        state = self._state[pages]
-        not_held = pages[(state != _HELD) & (state != _NEW)]
-        if not_held.size:
-            bad = not_held[:8].tolist()
-            raise InvalidBlocks(f"pages {bad} are not allocated (double free?); nothing was freed", bad)
-        self._state[pages] = np.where(state == _HELD, _KEPT, _PENDING) if self._backup_live else _PENDING
-        self._pending = np.concatenate((self._pending, pages))
+        self._pages.free(pages)
 
     # -- backup / restore ------------------------------------------------------
     def backup_state(self) -> AllocatorState:
         """Snapshot the allocation for one :meth:`restore_state`; ends an earlier backup."""
         self._check_open()
-        self._end_backup()
-        self._generation += 1
-        self._backup_live = True
-        return AllocatorState(self._uid, self._generation)
+        return AllocatorState(self._uid, self._pages.backup())
 
     def restore_state(self, state: AllocatorState) -> None:
         """Put back exactly the pages held at ``state``'s backup, and end it.
@@ -522,28 +460,7 @@ class KVPoolTokenAllocator:
         self._check_open()
         if not isinstance(state, AllocatorState) or state.owner != self._uid:
             raise ValueError(f"{state!r} is not a backup of this allocator")
-        if not self._backup_live or state.generation != self._generation:
-            raise ValueError(f"backup {state.generation} is no longer restorable: it was restored already, or a "
-                             "later backup_state(), flush() or clear() ended it (a backup is restored at most once)")
-        self._end_backup(restore=True)
-
-    def _end_backup(self, restore: bool = False) -> None:
-        """Turn the live backup's marks into plain states (the table in the module essay)."""
-        if not self._backup_live:
-            return
-        kept = self._state[self._pending] == _KEPT
-        assert not kept[: self._aged].any(), "kept pages are young: a flush ends the backup before aging"
-        since = np.unique(np.concatenate(self._since)) if self._since else np.empty(0, dtype=np.int64)
-        new = since[self._state[since] == _NEW]
-        if restore:
-            self._state[self._pending[kept]] = _HELD
-            self._state[new] = _PENDING
-            self._pending = np.concatenate((self._pending[~kept], new))
-        else:
-            self._state[self._pending[kept]] = _PENDING
-            self._state[new] = _HELD
-        self._since = []
-        self._backup_live = False
+        self._pages.restore(state.generation)
 
     # -- safe points -------------------------------------------------------------
     def flush(self) -> int:
@@ -553,27 +470,12 @@ class KVPoolTokenAllocator:
         step after their free) and ends a live backup; returns how many.
         """
         self._check_open()
-        self._end_backup()
-        old = self._pending[: self._aged]
-        if old.size:
-            self.space.free(old)
-            self._state[old] = _FREE
-        self._pending = self._pending[self._aged :]
-        self._aged = int(self._pending.size)
-        return int(old.size)
+        return self._pages.flush(self.space.free)
 
     def clear(self) -> None:
         """Return every page to the space now; drop the free group and any backup."""
         self._check_open()
-        pages = np.flatnonzero(self._state != _FREE).astype(np.int64)
-        if pages.size:
-            self.space.free(pages)
-        self._state[:] = _FREE
-        self._pending = np.empty(0, dtype=np.int64)
-        self._aged = 0
-        self._since = []
-        self._backup_live = False
-        self._generation += 1
+        self._pages.clear(self.space.free)
         self.free_group = None
 
     def token_view(self, layer: int, buffer: int, token_shape: Sequence[int]) -> torch.Tensor:
@@ -622,4 +524,4 @@ class KVPoolTokenAllocator:
         if self._closed:
             return "<KVPoolTokenAllocator closed>"
         return (f"<KVPoolTokenAllocator {int(self._held_mask().sum())}/{self.num_pages} pages of "
-                f"{self.page_size} tokens held, {self._pending.size} pending, {self.space!r}>")
+                f"{self.page_size} tokens held, {self._pages.pending.size} pending, {self.space!r}>")

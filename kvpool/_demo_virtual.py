@@ -233,6 +233,7 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
                 row: dict[str, Any] = {"t": round(now, 3)}
                 for eng in engines:
                     row[f"engine-{eng.index}"] = eng.m.stats().committed_bytes * to_real
+                    row[f"waiting-{eng.index}"] = eng.waiting  # requests queued for KV memory
                 timeline.append(row)
                 if live is not None:
                     live(mode, engines, now)

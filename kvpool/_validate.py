@@ -6,6 +6,11 @@ its ``int64``: a larger Python int would otherwise surface as nanobind's
 ``TypeError`` with a signature dump, and a ``bool`` would pass as 0 or 1
 (``set_limit(True)`` was a 1-byte limit, ``free([id, True])`` freed block 1).
 
+Values are shown in messages through :func:`shown`: ``repr``-quoted (so a
+name with control characters or terminal escapes cannot drive the terminal
+that prints the error) and cut to a bounded length (a 1 MB name or a huge
+list cannot flood it), as the native core's ``quoted_name`` does.
+
 Kinds of error, as in the rest of kvpool: a number of the wrong kind or out of
 range is a ``ValueError``; an object of the wrong kind (a pool, a device, a
 name, a flag) is a ``TypeError``; bad block ids are :class:`InvalidBlocks`.
@@ -17,6 +22,7 @@ commands (``kvpool top``, ``pools``, ``limit``) can use it.
 from __future__ import annotations
 
 import math
+import reprlib
 import sys
 from typing import Any, cast
 
@@ -34,10 +40,28 @@ __all__ = [
     "integer",
     "optional_integer",
     "seconds",
+    "shown",
     "text",
 ]
 
 INT64_MAX = 2**63 - 1
+SHOWN_CHARS = 80  # of a value in a message; past it, "..." and the value's length
+
+_reprs = reprlib.Repr()
+_reprs.maxstring = _reprs.maxother = _reprs.maxlong = SHOWN_CHARS
+
+
+def shown(value: object) -> str:
+    """``value`` as an error message may quote it: its ``repr`` (every
+    non-printable character escaped), cut after :data:`SHOWN_CHARS` characters
+    with the value's length named."""
+    if isinstance(value, str):
+        r = repr(value)
+        if len(r) <= SHOWN_CHARS:
+            return r
+        return f"{r[:SHOWN_CHARS]}... ({len(value)} characters)"
+    r = _reprs.repr(value)  # containers: their first few items, each bounded
+    return r if len(r) <= SHOWN_CHARS else f"{r[:SHOWN_CHARS]}..."
 
 
 def _is_int(value: object) -> bool:
@@ -47,7 +71,7 @@ def _is_int(value: object) -> bool:
 def integer(name: str, value: object, *, lo: int = 0, hi: int = INT64_MAX) -> int:
     """``value`` as an int in ``[lo, hi]`` (bools and floats refused); ValueError otherwise."""
     if not _is_int(value):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        raise ValueError(f"{name} must be an int, got {shown(value)}")
     v = int(cast(Any, value))  # an int or a numpy integer: checked above
     if v < lo:
         raise ValueError(f"{name} must be >= {lo}, got {v}")
@@ -65,30 +89,32 @@ def optional_integer(name: str, value: object, *, lo: int = 0, hi: int = INT64_M
 def seconds(name: str, value: object, *, allow_inf: bool = True) -> float:
     """A non-negative number of seconds (bools and NaN refused)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+        raise ValueError(f"{name} must be a number of seconds, got {shown(value)}")
     v = float(value)
     if math.isnan(v) or v < 0 or (math.isinf(v) and not allow_inf):
-        raise ValueError(f"{name} must be >= 0{'' if allow_inf else ' and finite'} seconds, got {value!r}")
+        bound = "" if allow_inf else " and finite"
+        raise ValueError(f"{name} must be >= 0{bound} seconds, got {shown(value)}")
     return v
 
 
 def flag(name: str, value: object) -> bool:
     """A real bool (``"no"`` or ``0`` would read as a wish of the other sign)."""
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
+        raise TypeError(f"{name} must be True or False, got {shown(value)}")
     return bool(value)
 
 
 def text(name: str, value: object) -> str:
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be a str, got {shown(value)} ({type(value).__name__})")
     return value
 
 
 def device(value: object) -> str:
     """``"cpu"``, ``"cuda"`` (torch's current device, else ``"cuda:0"``) or ``"cuda:N"``, normalized."""
     if not isinstance(value, str):
-        raise TypeError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"device must be 'cpu', 'cuda' or 'cuda:N', got {shown(value)} ({type(value).__name__})")
     if value == "cpu":
         return value
     if value == "cuda":
@@ -103,7 +129,7 @@ def device(value: object) -> str:
         return "cuda:0"
     if value.startswith("cuda:") and value[5:].isascii() and value[5:].isdigit() and int(value[5:]) < 2**31:
         return f"cuda:{int(value[5:])}"
-    raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+    raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {shown(value)}")
 
 
 def block_ids(blocks: object) -> npt.NDArray[np.int64]:
@@ -134,7 +160,7 @@ def int_array(what: str, values: object, error: type[ValueError] = ValueError) -
         arr = values
     else:
         if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-            raise fail(f"{what} must be a sequence of ints, got {values!r}")
+            raise fail(f"{what} must be a sequence of ints, got {shown(values)}")
         seq: Any = values if isinstance(values, (list, tuple)) else list(values)
         kinds = set(map(type, seq))  # one C-speed pass; the slow scans below run only on an error
         if bool in kinds or np.bool_ in kinds:

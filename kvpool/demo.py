@@ -21,6 +21,10 @@ engines, managers and pool with modeled step times on a virtual clock
 (:mod:`kvpool._demo_virtual`): exact figures, independent of machine load.
 ``--trace`` picks the arrival shape (:mod:`kvpool._demo_traces`).
 
+The monitors record, per engine and about every 0.1 s, committed memory
+(``engine-<e>``) and the requests waiting for KV memory (``waiting-<e>``);
+the plot draws both, so a stall (memory flat while requests queue) shows.
+
 Correctness is checked in every run: a sample of requests is decoded again
 with a plain contiguous KV cache and must give the same greedy tokens.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import random
 import sys
@@ -145,11 +150,12 @@ async def run_mode(mode: str, args: argparse.Namespace, trace: list[Request], mo
         async def monitor() -> None:
             while True:
                 now = time.perf_counter() - t0
-                row = {"t": round(now, 3)}
+                row: dict[str, Any] = {"t": round(now, 3)}
                 for eng in engines:
                     c = eng.m.stats().committed_bytes
                     peak[eng.index] = max(peak[eng.index], c)
                     row[f"engine-{eng.index}"] = c
+                    row[f"waiting-{eng.index}"] = eng.waiting  # requests queued for KV memory
                 timeline.append(row)
                 if live is not None:
                     live(mode, engines, now)
@@ -252,6 +258,7 @@ async def run_mode_processes(mode: str, args: argparse.Namespace, live: Any) -> 
             await asyncio.sleep(0.1)
         await asyncio.gather(*collectors)
         elapsed = max(r["end"] for r in results) - t0
+        _merge_waiting(timeline, t0, results)
         return summarize(mode, args, elapsed, timeline, results)
     finally:
         for p in procs:
@@ -261,6 +268,22 @@ async def run_mode_processes(mode: str, args: argparse.Namespace, live: Any) -> 
                 if pipe is not None:
                     pipe.close()
         Pool.remove(pool_name)
+
+
+def _merge_waiting(timeline: list[dict[str, Any]], t0: float, results: list[dict[str, Any]]) -> None:
+    """Add each worker's ``waiting-<e>`` to the parent's rows.
+
+    The ledger tells the parent only the allocations parked in a manager (one
+    per engine at most: the admitter's), not how many requests queue behind
+    it, so each worker samples its own queue on the shared monotonic clock
+    and the parent's row at time t takes each engine's latest sample at or
+    before t (0 before its first)."""
+    for e, res in enumerate(results):
+        samples = res.get("waiting_samples", [])
+        times = [at for at, _ in samples]
+        for row in timeline:
+            i = bisect.bisect_right(times, t0 + row["t"])
+            row[f"waiting-{e}"] = int(samples[i - 1][1]) if i else 0
 
 
 async def worker(mode: str, index: int, pool_name: str, args: argparse.Namespace) -> None:
@@ -278,11 +301,13 @@ async def worker(mode: str, index: int, pool_name: str, args: argparse.Namespace
     print("ready", flush=True)
     t0 = float(await asyncio.to_thread(sys.stdin.readline))
     peak = 0
+    waiting: list[tuple[float, int]] = []  # (perf_counter, requests queued for KV): the parent's plot rows
 
     async def monitor() -> None:
         nonlocal peak
         while True:
             peak = max(peak, m.stats().committed_bytes)
+            waiting.append((time.perf_counter(), eng.waiting))
             await asyncio.sleep(0.05)
 
     mon = asyncio.create_task(monitor())
@@ -291,7 +316,8 @@ async def worker(mode: str, index: int, pool_name: str, args: argparse.Namespace
     mon.cancel()
     peak = max(peak, m.stats().committed_bytes, eng.peak_committed)
     await m.aclose()
-    json.dump(eng.report() | {"peak_committed_bytes": peak, "end": end}, sys.stdout)
+    waiting.append((end, eng.waiting))
+    json.dump(eng.report() | {"peak_committed_bytes": peak, "end": end, "waiting_samples": waiting}, sys.stdout)
 
 
 def check_correctness(model: TinyDecoder, trace: list[Request], outputs: dict[str, list[int]],

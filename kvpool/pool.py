@@ -51,7 +51,7 @@ def check_pool_name(name: object) -> str:
     """Validate a pool name before anything touches the filesystem."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise LedgerError(
-            f"bad pool name {name!r}: use 1-64 characters from [A-Za-z0-9._-], starting with a letter or digit"
+            f"bad pool name {V.shown(name)}: use 1-64 characters from [A-Za-z0-9._-], starting with a letter or digit"
         )
     return name
 
@@ -182,7 +182,7 @@ def _fraction() -> float:
     except ValueError:
         frac = float("nan")
     if not 0 < frac <= 1:  # NaN fails too
-        raise LedgerError(f"KVPOOL_POOL_FRACTION must be a number in (0, 1], got {raw!r}")
+        raise LedgerError(f"KVPOOL_POOL_FRACTION must be a number in (0, 1], got {V.shown(raw)}")
     return frac
 
 

@@ -34,9 +34,26 @@
 // naming the cap, before the kernel would refuse it (ENOMEM, or worse, a
 // failed unmap inside a release). Releases may go past the budget: it is
 // the headroom that keeps them from failing.
+//
+// fork() (issue 10, D6/D7): a child inherits every mapping, so a child that
+// only read its inherited view of a page the parent has since released
+// (punched) would allocate that page of the parent's memfd again, outside
+// the books. A pthread_atfork child handler therefore turns every CPU space
+// of the process inert in the child before fork() returns there: one
+// read-only anonymous mapping over the whole range (stale views read zeros
+// and fault on write, like after close), the memfd closed, the model reset.
+// Why not MADV_DONTFORK on the shared slices instead: each commit maps a new
+// slice and could only mark it after the mmap, so a fork in that window would
+// still hand the child the mapping; and a child whose range is simply not
+// mapped could see an unrelated mapping land there, which a later
+// abandon()/destructor would then overwrite or unmap. The handler leaves the
+// range reserved and ours. Every backend's mutex is taken in the prepare
+// handler, so no commit or release is inside its model update at the fork
+// and the child never inherits a held mutex.
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <sys/mman.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -45,6 +62,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -84,10 +102,25 @@ void* map_inert(void* at, size_t n) {
     return mmap(at, n, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
 }
 
+class CpuBackend;
+
+// Every open CPU backend of the process, for the fork handlers (see the
+// header). Lock order: g_registry_mu, then a backend's mu_.
+std::mutex g_registry_mu;
+std::vector<CpuBackend*> g_registry;
+std::once_flag g_atfork_once;
+void before_fork();
+void after_fork_parent();
+void after_fork_child();
+
 class CpuBackend final : public Backend {
 public:
     CpuBackend(const BackendConfig& cfg) : cfg_(cfg), npages_(cfg.region_bytes / cfg.page_bytes) {}
     ~CpuBackend() override {
+        {
+            std::lock_guard<std::mutex> lock(g_registry_mu);
+            g_registry.erase(std::remove(g_registry.begin(), g_registry.end(), this), g_registry.end());
+        }
         close();
         if (base_ != nullptr) munmap(base_, total_bytes());
         g_mappings.fetch_sub(runs_);
@@ -113,7 +146,30 @@ public:
         mapped_.assign(static_cast<size_t>(cfg_.num_regions * npages_), 0);
         runs_ = 1;
         g_mappings.fetch_add(runs_);
+        std::call_once(g_atfork_once, [] { pthread_atfork(before_fork, after_fork_parent, after_fork_child); });
+        std::lock_guard<std::mutex> lock(g_registry_mu);
+        g_registry.push_back(this);
         return Status::ok();
+    }
+
+    // The fork handlers' halves (see the header). lock_for_fork/unlock_after_fork
+    // bracket the fork in the parent; in the child, inherit() runs instead of
+    // the unlock, with only the forking thread alive.
+    void lock_for_fork() { mu_.lock(); }
+    void unlock_after_fork() { mu_.unlock(); }
+    void inherit() {
+        // The child's view of the range becomes inert: the parent's memfd is
+        // mapped nowhere in the child and the child holds no reference to it.
+        // If the remap fails the range is left as it is; the fd is closed
+        // regardless, so nothing more of the parent's memory can be reached.
+        if (base_ != nullptr) map_inert(base_, total_bytes());
+        if (fd_ >= 0) ::close(fd_);
+        fd_ = -1;
+        std::fill(mapped_.begin(), mapped_.end(), 0);
+        const int64_t now = base_ != nullptr ? 1 : 0;
+        g_mappings.fetch_add(now - runs_);
+        runs_ = now;
+        mu_.unlock();
     }
 
     Status commit(int64_t page) override {
@@ -283,6 +339,19 @@ private:
     std::vector<uint8_t> mapped_;  // per slice, in VA order: 1 = the memfd is mapped there
     int64_t runs_ = 0;             // mappings of this space (runs of alike slices)
 };
+
+void before_fork() {
+    g_registry_mu.lock();
+    for (CpuBackend* b : g_registry) b->lock_for_fork();
+}
+void after_fork_parent() {
+    for (CpuBackend* b : g_registry) b->unlock_after_fork();
+    g_registry_mu.unlock();
+}
+void after_fork_child() {
+    for (CpuBackend* b : g_registry) b->inherit();
+    g_registry_mu.unlock();
+}
 
 }  // namespace
 

@@ -1,4 +1,9 @@
+// The pool ledger's segment (ledger.hpp): opening and trusting it, the
+// generation word and its futex, snapshots, and claims. Tenants joining,
+// leaving and being reaped are in ledger_tenants.cpp; settings in
+// ledger_settings.cpp.
 #include "ledger.hpp"
+#include "ledger_detail.hpp"
 
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -21,75 +26,17 @@
 namespace kvpool {
 namespace {
 
-constexpr auto kSeq = std::memory_order_seq_cst;
 constexpr int kClaimAttempts = 5;     // racing claims that saw each other retry this often
-constexpr int kSettingSpins = 20000;  // a seqlock writer inside for longer is stopped or dead
-constexpr int kReadSpins = 128;       // a reader gives up sooner and keeps its last settings
 
 long futex(std::atomic<uint32_t>* word, int op, uint32_t val, const struct timespec* ts) {
     // The generation word lives in MAP_SHARED memory: the shared futex ops.
     return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, val, ts, nullptr, 0);
 }
 
-bool alnum(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'); }
-bool name_char(char c) { return alnum(c) || c == '.' || c == '_' || c == '-'; }
-
-// State letter and start time of a process from /proc/<pid>/stat ('?' and 0
-// when it cannot be read).
-std::pair<char, uint64_t> process_stat(int32_t pid) {
-    char path[64];
-    std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-    FILE* f = std::fopen(path, "r");
-    if (!f) return {'?', 0};
-    char buf[1024];
-    size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
-    std::fclose(f);
-    buf[n] = 0;
-    // Field 2 (comm) may contain spaces and parentheses: skip to the last ')'.
-    const char* p = std::strrchr(buf, ')');
-    if (!p || p[1] != ' ') return {'?', 0};
-    const char state = p[2];
-    int field = 2;
-    for (++p; *p && field < 22; ++p)
-        if (*p == ' ') ++field;
-    return {state, std::strtoull(p, nullptr, 10)};
-}
-
-// A process of this PID namespace that is gone: no such pid, a zombie (its
-// memory is already freed), or the pid reused by a process that started later.
-bool tenant_dead(int32_t pid, uint64_t start_time) {
-    if (pid <= 0) return false;
-    if (kill(pid, 0) != 0 && errno == ESRCH) return true;
-    const auto [state, start] = process_stat(pid);
-    if (state == 'Z' || state == 'X') return true;
-    if (state == '?') return kill(pid, 0) != 0 && errno == ESRCH;  // exited between the two looks
-    return start_time != 0 && start != 0 && start != start_time;
-}
-
-// A stored name as text a reader can print: the bytes up to NUL, anything
-// outside the name alphabet (a corrupted or hostile slot) shown as '?'.
-std::string sanitized_name(const char* raw) {
-    const size_t n = strnlen(raw, kNameBytes - 1);
-    std::string s(raw, n);
-    for (char& c : s)
-        if (!name_char(c)) c = '?';
-    return s;
-}
-
 }  // namespace
 
-bool valid_name(const std::string& name) {
-    if (name.empty() || name.size() > static_cast<size_t>(kMaxNameLen) || !alnum(name[0])) return false;
-    return std::all_of(name.begin(), name.end(), name_char);
-}
-
-uint64_t process_start_time(int32_t pid) { return process_stat(pid).second; }
-
-uint64_t own_pid_namespace() {
-    struct stat st;
-    if (stat("/proc/self/ns/pid", &st) != 0) return 0;
-    return static_cast<uint64_t>(st.st_ino);
-}
+using ledger_detail::kSeq;
+using ledger_detail::sanitized_name;
 
 // ------------------------------------------------------------------ snapshot
 
@@ -125,7 +72,7 @@ const TenantRow* LedgerSnapshot::find(int slot) const {
 
 std::shared_ptr<Ledger> Ledger::open(const std::string& name, int64_t capacity, bool create, Status* status) {
     if (!valid_name(name)) {
-        *status = Status::make(Code::Invalid, "bad pool name '" + name + "'");
+        *status = Status::make(Code::Invalid, "bad pool name " + quoted_name(name));
         return nullptr;
     }
     if (create && capacity <= 0) {
@@ -244,32 +191,6 @@ void Ledger::wait_generation(uint32_t seen, double timeout_s) const {
 
 // ------------------------------------------------------------------ reading
 
-bool Ledger::read_settings(int slot, int64_t* limit, int64_t* limit_rev, int64_t* guarantee,
-                           int64_t* guarantee_rev) const {
-    const SlotSettings& s = hdr_->tenants[slot].settings;
-    // Readers retry briefly and otherwise keep what they had (a writer
-    // stopped inside must not slow every snapshot of the pool); only
-    // writers wait longer.
-    for (int i = 0; i < kReadSpins; ++i) {
-        const uint64_t s1 = s.seq.load(std::memory_order_acquire);
-        if (s1 & 1) {
-            if (i > 32) sched_yield();
-            continue;
-        }
-        const int64_t l = s.limit.load(std::memory_order_relaxed), lr = s.limit_revision.load(std::memory_order_relaxed);
-        const int64_t g = s.guarantee.load(std::memory_order_relaxed),
-                      gr = s.guarantee_revision.load(std::memory_order_relaxed);
-        std::atomic_thread_fence(std::memory_order_acquire);
-        if (s.seq.load(std::memory_order_relaxed) != s1) continue;
-        *limit = l;
-        *limit_rev = lr;
-        *guarantee = g;
-        *guarantee_rev = gr;
-        return true;
-    }
-    return false;
-}
-
 LedgerSnapshot Ledger::snapshot(bool names) const {
     LedgerSnapshot s;
     s.capacity = hdr_->capacity;
@@ -283,7 +204,7 @@ LedgerSnapshot Ledger::snapshot(bool names) const {
         r.slot = i;
         r.pid = pid;
         r.visible = t.pidns.load(kSeq) == my_pidns_;
-        if (names) r.name = sanitized_name(t.name);
+        if (names) r.name = sanitized_name(t.name, i);
         // Clamped to [0, capacity]: a corrupted or hostile row must not wrap a sum.
         r.claimed = std::clamp<int64_t>(t.claimed.load(kSeq), 0, s.capacity);
         r.pending = std::clamp<int64_t>(t.pending.load(kSeq), 0, s.capacity);
@@ -320,183 +241,6 @@ bool Ledger::anyone_waiting(int slot) const {
             return true;
     }
     return false;
-}
-
-// ------------------------------------------------------------------ tenants
-
-Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int64_t guarantee_bytes, int* slot) {
-    if (!valid_name(name))
-        return Status::make(Code::Invalid, "bad tenant name '" + name +
-                                               "': use 1-64 characters from [A-Za-z0-9._-], starting with a "
-                                               "letter or digit");
-    reap();
-    const int32_t me = static_cast<int32_t>(getpid());
-    const uint64_t start = process_start_time(me);
-    if (guarantee_bytes >= 0) {
-        const LedgerSnapshot s = snapshot();
-        int64_t explicit_sum = 0;
-        for (const auto& r : s.rows)
-            if (r.guarantee >= 0) explicit_sum += r.guarantee;
-        if (explicit_sum + guarantee_bytes > s.capacity)
-            return Status::make(Code::Invalid, "guarantee_bytes=" + std::to_string(guarantee_bytes) +
-                                                   " does not fit pool '" + name_ + "': explicit guarantees hold " +
-                                                   std::to_string(explicit_sum) + " of its " +
-                                                   std::to_string(s.capacity) + " bytes");
-    }
-    // Two tenants registering the same name at once: each publishes itself,
-    // then looks for the other; of two SC store-then-load sequences at least
-    // one sees the other, and whoever sees a twin withdraws (both may: retry).
-    for (int attempt = 0; attempt < 4; ++attempt) {
-        for (const auto& r : snapshot().rows)
-            if (r.name == name)
-                return Status::make(Code::Invalid,
-                                    "pool '" + name_ + "' already has a live tenant named '" + name + "'");
-        int mine = -1;
-        for (int i = 0; i < kMaxTenants && mine < 0; ++i) {
-            int32_t expect = 0;
-            if (hdr_->tenants[i].pid.compare_exchange_strong(expect, me, kSeq)) mine = i;
-        }
-        if (mine < 0)
-            return Status::make(Code::Shortage, "pool '" + name_ + "' has no free tenant slot (max " +
-                                                    std::to_string(kMaxTenants) + ")");
-        TenantSlot& t = hdr_->tenants[mine];
-        t.pidns.store(my_pidns_, kSeq);  // first: a reaper can judge the slot from here on
-        t.start_time.store(start, kSeq);
-        std::memset(t.name, 0, sizeof(t.name));
-        std::memcpy(t.name, name.data(), name.size());
-        t.claimed.store(0);
-        t.pending.store(0);
-        t.want.store(0);
-        t.wait_ticket.store(0);
-        t.waiting.store(0);
-        t.limit_state.store(0);
-        t.judged_revision.store(0);
-        t.reserve_pages.store(0);
-        t.lending.store(0);
-        SlotSettings& st = t.settings;
-        // Nobody else writes a slot that is not live yet: take the seqlock
-        // plainly, past any odd value a dead writer left behind.
-        const uint64_t seq = (st.seq.load() | 1) + 1;
-        st.seq.store(seq - 1);
-        st.limit.store(limit_bytes < 0 ? -1 : limit_bytes);
-        st.limit_revision.store(0);
-        st.guarantee.store(guarantee_bytes < 0 ? -1 : guarantee_bytes);
-        st.guarantee_revision.store(0);
-        st.seq.store(seq, std::memory_order_release);
-        t.live.store(1, kSeq);
-        if (t.pid.load(kSeq) != me) {
-            // Reaped while registering (judged dead by a confused peer): the
-            // slot is not ours any more; take another.
-            continue;
-        }
-        if (guarantee_bytes >= 0) {
-            // Two tenants registering at once could both pass the check
-            // above: re-check now that this one is published (SC: of two
-            // racers at least one sees the other) and withdraw if over.
-            int64_t sum = 0;
-            for (const auto& r : snapshot(false).rows)
-                if (r.guarantee >= 0) sum += r.guarantee;
-            if (sum > hdr_->capacity) {
-                t.live.store(0, kSeq);
-                t.pid.store(0, kSeq);
-                return Status::make(Code::Invalid, "guarantee_bytes=" + std::to_string(guarantee_bytes) +
-                                                       " does not fit pool '" + name_ + "': explicit guarantees "
-                                                       "would hold " + std::to_string(sum) + " of its " +
-                                                       std::to_string(hdr_->capacity) + " bytes");
-            }
-        }
-        bool twin = false;
-        for (int i = 0; i < kMaxTenants; ++i) {
-            if (i == mine) continue;
-            const TenantSlot& o = hdr_->tenants[i];
-            if (o.pid.load(kSeq) > 0 && o.live.load(kSeq) == 1 && std::strncmp(o.name, t.name, kNameBytes) == 0)
-                twin = true;
-        }
-        if (!twin) {
-            *slot = mine;
-            bump_generation();  // default guarantees changed: every tenant's share moved
-            return Status::ok();
-        }
-        t.live.store(0, kSeq);
-        t.pid.store(0, kSeq);
-        std::this_thread::sleep_for(std::chrono::microseconds(50 * (attempt + 1) * (1 + me % 7)));
-    }
-    return Status::make(Code::Invalid, "pool '" + name_ + "' already has a live tenant named '" + name + "'");
-}
-
-void Ledger::unregister_tenant(int slot) {
-    if (slot < 0 || slot >= kMaxTenants) return;
-    TenantSlot& t = hdr_->tenants[slot];
-    if (t.pid.load() != static_cast<int32_t>(getpid())) return;
-    t.live.store(0, kSeq);  // out of every sum from here
-    t.claimed.store(0);
-    t.pending.store(0);
-    t.want.store(0);
-    t.waiting.store(0);
-    t.wait_ticket.store(0);
-    t.start_time.store(0);
-    t.pidns.store(0);
-    t.pid.store(0, kSeq);
-    bump_generation();
-}
-
-bool Ledger::reap_slot(int slot) {
-    TenantSlot& t = hdr_->tenants[slot];
-    int32_t pid = t.pid.load(kSeq);
-    if (pid <= 0) return false;
-    // Take the slot from the dead owner; a reaper racing us loses the CAS.
-    if (!t.pid.compare_exchange_strong(pid, -static_cast<int32_t>(getpid()), kSeq)) return false;
-    t.live.store(0, kSeq);
-    t.claimed.store(0);
-    t.pending.store(0);
-    t.want.store(0);
-    t.waiting.store(0);
-    t.wait_ticket.store(0);
-    t.lending.store(0);
-    t.start_time.store(0);
-    t.pidns.store(0);
-    t.pid.store(0, kSeq);
-    return true;
-}
-
-int Ledger::reap() {
-    int reaped = 0;
-    const int32_t me = static_cast<int32_t>(getpid());
-    for (int i = 0; i < kMaxTenants; ++i) {
-        TenantSlot& t = hdr_->tenants[i];
-        const int32_t pid = t.pid.load(kSeq);
-        if (pid < 0) {
-            // A reaper that died inside reap_slot: finish its work if it is
-            // ours to judge (it would have been in our namespace only if the
-            // slot's owner was).
-            if (t.pidns.load() == my_pidns_ && tenant_dead(-pid, 0)) {
-                int32_t expect = pid;
-                if (t.pid.compare_exchange_strong(expect, 0, kSeq)) ++reaped;
-            }
-            continue;
-        }
-        if (pid == 0 || pid == me) continue;
-        // Only tenants of this PID namespace: another namespace's pid 7 is
-        // not our pid 7.
-        if (t.pidns.load(kSeq) != my_pidns_ || my_pidns_ == 0) continue;
-        // A slot still registering has no start time of its own yet: judge
-        // it only by its pid being gone.
-        const bool registering = t.live.load(kSeq) != 1;
-        const bool dead = registering ? (kill(pid, 0) != 0 && errno == ESRCH) : tenant_dead(pid, t.start_time.load());
-        if (dead) reaped += reap_slot(i) ? 1 : 0;
-    }
-    if (reaped) bump_generation();
-    return reaped;
-}
-
-Status Ledger::find_tenant(const std::string& tenant, int* slot) {
-    reap();
-    for (const auto& r : snapshot().rows)
-        if (r.name == tenant) {
-            *slot = r.slot;
-            return Status::ok();
-        }
-    return Status::make(Code::Ledger, "pool '" + name_ + "' has no tenant '" + tenant + "'");
 }
 
 // ------------------------------------------------------------------- claims
@@ -581,77 +325,6 @@ void Ledger::publish_want(int slot, int64_t want_bytes) {
 
 void Ledger::publish_lending(int slot, bool lending) {
     hdr_->tenants[slot].lending.store(lending ? 1 : 0, std::memory_order_release);
-}
-
-// ----------------------------------------------------------------- settings
-
-Status Ledger::write_setting(int slot, bool guarantee, int64_t bytes, int64_t revision, LimitResult* result) {
-    const char* what = guarantee ? "guarantee" : "limit";
-    if (slot < 0 || slot >= kMaxTenants) return Status::make(Code::Invalid, "bad tenant slot");
-    if (bytes < -1) return Status::make(Code::Invalid, std::string(what) + " must be >= 0 bytes, or -1 for none");
-    // revision -1: the next one, read inside the seqlock (a setter racing an
-    // operator must not compute it from a stale copy and be judged stale).
-    if (revision < -1 || revision > kMaxRevision)
-        return Status::make(Code::Invalid, std::string(what) + " revision must be in [0, 2**53], got " +
-                                               std::to_string(revision));
-    TenantSlot& t = hdr_->tenants[slot];
-    SlotSettings& s = t.settings;
-    uint64_t seq = 0;
-    bool entered = false;
-    for (int i = 0; i < kSettingSpins && !entered; ++i) {
-        seq = s.seq.load(kSeq);
-        if (!(seq & 1) && s.seq.compare_exchange_weak(seq, seq + 1, kSeq)) entered = true;
-        else if (i > 64) sched_yield();
-    }
-    if (!entered)
-        return Status::make(Code::Ledger, "pool '" + name_ + "': the settings of tenant slot " + std::to_string(slot) +
-                                              " are held by a stopped or dead writer; try again");
-    std::atomic<int64_t>& value = guarantee ? s.guarantee : s.limit;
-    std::atomic<int64_t>& rev = guarantee ? s.guarantee_revision : s.limit_revision;
-    const int64_t cur = rev.load(kSeq);
-    if (revision < 0) revision = cur + 1;
-    Status st = Status::ok();
-    if (revision > kMaxRevision) {
-        s.seq.store(seq + 2, std::memory_order_release);
-        return Status::make(Code::Invalid, std::string(what) + " revision would pass 2**53");
-    }
-    if (revision < cur) *result = LimitResult::Stale;
-    else if (revision == cur) *result = value.load(kSeq) == bytes ? LimitResult::Same : LimitResult::Conflict;
-    else {
-        const int64_t old = value.exchange(bytes, kSeq);
-        *result = LimitResult::Applied;
-        if (guarantee && bytes >= 0) {
-            // Explicit guarantees may not add up to more than the capacity.
-            // Checked after the write (SC), so of two racing setters at least
-            // one sees the other; an over-promise is rolled back.
-            int64_t sum = 0;
-            for (int i = 0; i < kMaxTenants; ++i) {
-                const TenantSlot& o = hdr_->tenants[i];
-                if (o.pid.load(kSeq) <= 0 || o.live.load(kSeq) != 1) continue;
-                const int64_t g = o.settings.guarantee.load(kSeq);
-                if (g >= 0) sum += g;
-            }
-            if (sum > hdr_->capacity) {
-                value.store(old, kSeq);
-                st = Status::make(Code::Invalid, "a guarantee of " + std::to_string(bytes) + " bytes does not fit pool '" +
-                                                     name_ + "': explicit guarantees would hold " +
-                                                     std::to_string(sum) + " of its " +
-                                                     std::to_string(hdr_->capacity) + " bytes");
-            }
-        }
-        if (st.is_ok()) rev.store(revision, kSeq);
-    }
-    s.seq.store(seq + 2, std::memory_order_release);
-    if (st.is_ok() && *result == LimitResult::Applied) bump_generation();
-    return st;
-}
-
-Status Ledger::set_limit(int slot, int64_t bytes, int64_t revision, LimitResult* result) {
-    return write_setting(slot, false, bytes, revision, result);
-}
-
-Status Ledger::set_guarantee(int slot, int64_t bytes, int64_t revision, LimitResult* result) {
-    return write_setting(slot, true, bytes, revision, result);
 }
 
 }  // namespace kvpool

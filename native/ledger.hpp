@@ -122,6 +122,10 @@ struct LedgerSnapshot {
 enum class LimitResult : int { Applied = 0, Stale = 1, Conflict = 2, Same = 3 };
 
 bool valid_name(const std::string& name);
+// A user-supplied name for an error message: quoted, printable ASCII as is,
+// every other byte escaped (\xNN, \n, \t), cut after 80 characters with
+// its length, so a name can neither flood a message nor drive a terminal.
+std::string quoted_name(const std::string& name);
 
 class Ledger {
 public:
@@ -189,6 +193,7 @@ private:
                     std::string* why);
     Status write_setting(int slot, bool guarantee, int64_t bytes, int64_t revision, LimitResult* result);
     bool reap_slot(int slot);
+    void free_slot(int slot);  // one clearing for a tenant leaving and a dead one reaped
 
     std::string name_;
     LedgerHeader* hdr_ = nullptr;

@@ -6,6 +6,7 @@ import json
 import pathlib
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -39,6 +40,9 @@ def test_a_short_demo_checks_itself_and_writes_its_figures(tmp_path: pathlib.Pat
         res = data[mode]
         assert res["requests"] == data["requests"]
         assert len(res["engines"]) == 2 and res["timeline"]
+        # Requests waiting for KV beside memory, in every row (issue 13: what explains a stall on the plot).
+        assert all(isinstance(row[f"waiting-{e}"], int) and row[f"waiting-{e}"] >= 0
+                   for row in res["timeline"] for e in range(2))
         assert all(e["peak_committed_bytes"] > 0 for e in res["engines"])
     assert data["static"]["slice_bytes"] == (4 << 20) // 2
     assert all(e["peak_committed_bytes"] <= data["static"]["slice_bytes"] for e in data["static"]["engines"])
@@ -59,7 +63,25 @@ def test_one_process_per_engine_serves_the_same_requests_correctly(tmp_path: pat
     assert data["elastic"]["processes"] and data["static"]["requests"] == data["requests"]
     # The parent saw the engines only through the pool ledger, and saw them commit.
     assert any(row["engine-0"] > 0 for row in data["elastic"]["timeline"])
+    # Each worker's queue, sampled in the worker, lands in the parent's rows.
+    for mode in ("elastic", "static"):
+        rows = data[mode]["timeline"]
+        assert all(0 <= row[f"waiting-{e}"] <= data[mode]["engines"][e]["requests"] for row in rows for e in range(2))
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_each_row_takes_each_workers_latest_waiting_sample_at_or_before_it() -> None:
+    from kvpool.demo import _merge_waiting
+
+    t0 = 100.0
+    rows: list[dict[str, Any]] = [{"t": 0.0}, {"t": 0.1}, {"t": 0.2}, {"t": 0.3}]
+    results: list[dict[str, Any]] = [
+        {"waiting_samples": [(100.05, 2), (100.15, 0), (100.2, 5)]},
+        {"waiting_samples": []},  # a worker that sampled nothing: 0 throughout
+    ]
+    _merge_waiting(rows, t0, results)
+    assert [r["waiting-0"] for r in rows] == [0, 2, 5, 5]  # none yet at 0.0; the sample at 0.2 counts at 0.2
+    assert [r["waiting-1"] for r in rows] == [0, 0, 0, 0]
 
 
 def test_bad_demo_arguments_exit_2(tmp_path: pathlib.Path) -> None:

@@ -121,6 +121,31 @@ def test_sixteen_engines_share_a_million_block_pool() -> None:
     assert el["pool_bytes"] == (1 << 20) * 32 * 1024  # reported in the real engines' bytes
 
 
+def test_the_timeline_records_requests_waiting_for_memory_and_the_plot_shows_them() -> None:
+    # Issue 13: nothing on the plot explained a stall. Every monitor row now
+    # has waiting-<e> (requests queued for KV) beside engine-<e> (memory).
+    from kvpool.demo_report import figure
+
+    res = _virtual("--trace", "bursty", "--seed", "1")
+    for mode in ("elastic", "static"):
+        rows = res[mode]["timeline"]
+        for e, eng in enumerate(res[mode]["engines"]):
+            series = [row[f"waiting-{e}"] for row in rows]
+            assert all(isinstance(n, int) and 0 <= n <= eng["requests"] for n in series)
+    st = res["static"]
+    assert st["wait_s"] > 0  # the slices are contended in this trace...
+    assert any(row[f"waiting-{e}"] > 0 for row in st["timeline"] for e in range(len(st["engines"])))  # ...and seen
+    fig = figure(res, len(st["engines"]))
+    try:
+        assert len(fig.axes) == 4 and fig.axes[3].get_ylabel() == "waiting"  # a waiting panel under each mode
+        drawn = [list(line.get_ydata()) for line in fig.axes[3].get_lines()]
+        assert drawn == [[row[f"waiting-{e}"] for row in st["timeline"]] for e in range(len(st["engines"]))]
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
 def test_the_virtual_clock_runs_in_one_process_only() -> None:
     with pytest.raises(ValueError, match="--processes"):
         options(["--clock", "virtual", "--processes"])

@@ -213,6 +213,7 @@ def backend_harness(tmp_path_factory: pytest.TempPathFactory) -> str:
     cmd = ["g++", "-std=c++17", "-O1", "-I", os.path.join(root, "native"),
            os.path.join(root, "tests", "fake_cuda", "backend_harness.cpp"),
            os.path.join(root, "native", "cpu_backend.cpp"), os.path.join(root, "native", "cuda_backend.cpp"),
+           os.path.join(root, "native", "cuda_driver.cpp"),
            "-o", out, "-ldl", "-lpthread"]
     cuda_include = "/usr/local/cuda/include"
     if os.path.exists(os.path.join(cuda_include, "cuda.h")):

@@ -12,11 +12,13 @@ publishing, so two racing processes never both win a name.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import pathlib
 import signal
 import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -131,3 +133,107 @@ def test_a_tenant_in_the_middle_of_registering_is_not_reaped(pool_name: str) -> 
         registrant.wait()
         L.write_at(pool_name, L.slot_offset(slot), bytes(4))
 
+
+
+# --------------------------------------------------- names in error messages
+#
+# On the old code a bad (user-supplied) name went into the error message raw
+# and whole: a terminal escape in it drove the terminal that printed
+# `kvpool limit`'s error, and a 100 kB name made a 100 kB message. Now every
+# message quotes a name repr-style (non-printable bytes escaped) and cuts it
+# after 80 characters, naming its length.
+
+HOSTILE = "\x1b[2J\x1b]0;owned\x07" + "n" * 5000  # clear screen, set the title, then a flood
+
+
+def assert_quoted_safely(message: str, name: str = HOSTILE) -> None:
+    assert "\x1b" not in message and "\x07" not in message, f"a raw control character in {message!r}"
+    assert "\\x1b[2J" in message  # escaped, still recognisable
+    assert len(message) < 400, f"a {len(message)}-character message for a {len(name)}-character name"
+    assert str(len(name.encode())) in message or str(len(name)) in message  # the length is named
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_tenant_name_is_quoted_escaped_and_cut_in_the_error(pool_name: str) -> None:
+    pool = Pool(pool_name, capacity=1 << 20)
+    with pytest.raises(LedgerError, match="bad tenant name") as e:
+        KVSpace(G, pool=pool, name=HOSTILE, reserve_thread=False, reserve=(0, 0))
+    assert_quoted_safely(str(e.value))
+    nothing_registered(pool)
+
+
+@pytest.mark.timeout(120)
+def test_an_unknown_tenant_in_a_limit_is_quoted_escaped_and_cut(pool_name: str) -> None:
+    pool = Pool(pool_name, capacity=1 << 20)
+    with pytest.raises(LedgerError, match="has no tenant") as e:
+        pool.set_limit(HOSTILE, 1 << 16)
+    assert_quoted_safely(str(e.value))
+    # The operator's path: `kvpool limit POOL NAME SIZE` prints it on stderr.
+    p = subprocess.run([sys.executable, "-m", "kvpool.cli", "limit", pool_name, HOSTILE, "64K"],
+                       capture_output=True, text=True, timeout=120, cwd="/")
+    assert p.returncode == 2 and "has no tenant" in p.stderr
+    assert_quoted_safely(p.stderr)
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_pool_name_is_quoted_escaped_and_cut_in_the_error() -> None:
+    with pytest.raises(LedgerError, match="bad pool name") as e:
+        Pool(HOSTILE, capacity=1 << 20)
+    assert_quoted_safely(str(e.value))
+
+
+# ------------------------------------------------ corrupt names in the ledger
+#
+# A slot whose stored name is not a valid name (a corrupted segment, a
+# hostile writer) was shown as its bytes with each bad one turned into '?':
+# 71 '?' for a slot of junk, every such slot alike, and unreadable in
+# `kvpool top`. Now it reads "?slot<N>", plus ":<prefix>" when it starts with
+# name characters.
+
+
+def corrupt_name(pool: str, slot: int, raw: bytes) -> None:
+    L.write_at(pool, L.slot_offset(slot) + L.TenantSlot.name.offset, raw.ljust(L.NAME_BYTES, b"\0"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("raw", "shown"), [
+    pytest.param(b"\xff" * L.NAME_BYTES, "?slot{slot}", id="junk-without-nul"),
+    pytest.param(b"\xe9\x00", "?slot{slot}", id="non-ascii"),
+    pytest.param(b"vllm-engine-a\xff\xfe[/x]", "?slot{slot}:vllm-engine-a", id="a-readable-prefix"),
+    pytest.param(b"q" * 40 + b"\x1b[2J", "?slot{slot}:" + "q" * 16, id="a-long-prefix-cut"),
+    pytest.param(b"x" * L.NAME_BYTES, "?slot{slot}:" + "x" * 16, id="too-long-to-be-valid"),
+])
+def test_a_corrupt_name_in_a_slot_reads_short_and_recognisable(raw: bytes, shown: str, pool_name: str) -> None:
+    pool = Pool(pool_name, capacity=1 << 20)
+    with KVSpace(G, pool=pool, name="neighbour", reserve_thread=False, reserve=(0, 0)), \
+            KVSpace(G, pool=pool, name="victim", reserve_thread=False, reserve=(0, 0)):
+        slot = L.slot_of(pool_name, "victim")
+        try:
+            corrupt_name(pool_name, slot, raw)
+            expected = shown.format(slot=slot)
+            assert sorted(t.name for t in pool.tenants()) == sorted(["neighbour", expected])
+            # `kvpool top` shows the same row, and a valid name can never equal it.
+            p = subprocess.run([sys.executable, "-m", "kvpool.cli", "top", pool_name, "--once", "--json"],
+                               capture_output=True, text=True, timeout=120, cwd="/")
+            assert p.returncode == 0, p.stderr
+            assert expected in {t["name"] for t in json.loads(p.stdout)["tenants"]}
+            with pytest.raises(LedgerError, match="bad tenant name"):
+                KVSpace(G, pool=pool, name=expected, reserve_thread=False, reserve=(0, 0))
+        finally:
+            corrupt_name(pool_name, slot, b"victim")  # so that the slot unregisters as itself
+
+
+@pytest.mark.timeout(120)
+def test_two_corrupt_slots_do_not_look_alike(pool_name: str) -> None:
+    pool = Pool(pool_name, capacity=1 << 20)
+    with KVSpace(G, pool=pool, name="one", reserve_thread=False, reserve=(0, 0)), \
+            KVSpace(G, pool=pool, name="two", reserve_thread=False, reserve=(0, 0)):
+        slots = {n: L.slot_of(pool_name, n) for n in ("one", "two")}
+        try:
+            for slot in slots.values():
+                corrupt_name(pool_name, slot, b"\xff" * 8)
+            names = [t.name for t in pool.tenants()]
+            assert sorted(names) == sorted(f"?slot{s}" for s in slots.values()) and len(set(names)) == 2
+        finally:
+            for n, slot in slots.items():
+                corrupt_name(pool_name, slot, n.encode())

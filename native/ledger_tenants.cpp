@@ -1,0 +1,297 @@
+// The ledger's tenants: who a tenant is (pid, process start time, PID
+// namespace, name), how it joins and leaves a pool, and how the dead are
+// reaped. The segment, its snapshot and claims are in ledger.cpp; settings
+// in ledger_settings.cpp.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include "ledger.hpp"
+#include "ledger_detail.hpp"
+
+namespace kvpool {
+using ledger_detail::alnum;
+using ledger_detail::kSeq;
+using ledger_detail::name_char;
+
+namespace {
+
+// State letter and start time of a process from /proc/<pid>/stat ('?' and 0
+// when it cannot be read).
+std::pair<char, uint64_t> process_stat(int32_t pid) {
+    char path[64];
+    std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+    FILE* f = std::fopen(path, "r");
+    if (!f) return {'?', 0};
+    char buf[1024];
+    size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+    std::fclose(f);
+    buf[n] = 0;
+    // Field 2 (comm) may contain spaces and parentheses: skip to the last ')'.
+    const char* p = std::strrchr(buf, ')');
+    if (!p || p[1] != ' ') return {'?', 0};
+    const char state = p[2];
+    int field = 2;
+    for (++p; *p && field < 22; ++p)
+        if (*p == ' ') ++field;
+    return {state, std::strtoull(p, nullptr, 10)};
+}
+
+// A process of this PID namespace that is gone: no such pid, a zombie (its
+// memory is already freed), or the pid reused by a process that started later.
+bool tenant_dead(int32_t pid, uint64_t start_time) {
+    if (pid <= 0) return false;
+    if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+    const auto [state, start] = process_stat(pid);
+    if (state == 'Z' || state == 'X') return true;
+    if (state == '?') return kill(pid, 0) != 0 && errno == ESRCH;  // exited between the two looks
+    return start_time != 0 && start != 0 && start != start_time;
+}
+
+}  // namespace
+
+namespace ledger_detail {
+
+// A stored name as text a reader can print (issue 10). A valid name is
+// shown as it is. Anything else is a corrupted or hostile slot: it is shown as
+// "?slot<N>", followed by ":<prefix>" when the bytes start with name
+// characters (at most 16 of them), so the row stays short and recognisable
+// (once 71 '?' for 71 bad bytes), no two corrupt slots look alike, and the
+// leading '?' keeps it from ever equalling a valid tenant's name.
+constexpr size_t kCorruptPrefix = 16;
+std::string sanitized_name(const char* raw, int slot) {
+    const std::string s(raw, strnlen(raw, kNameBytes));  // kNameBytes long: no NUL, too long to be valid
+    if (valid_name(s)) return s;
+    size_t prefix = 0;
+    while (prefix < s.size() && prefix < kCorruptPrefix && name_char(s[prefix])) ++prefix;
+    return "?slot" + std::to_string(slot) + (prefix > 0 ? ":" + s.substr(0, prefix) : "");
+}
+
+}  // namespace ledger_detail
+
+bool valid_name(const std::string& name) {
+    if (name.empty() || name.size() > static_cast<size_t>(kMaxNameLen) || !alnum(name[0])) return false;
+    return std::all_of(name.begin(), name.end(), name_char);
+}
+
+std::string quoted_name(const std::string& name) {
+    constexpr size_t kShown = 80;  // characters of the escaped text; past it, "..." and the length
+    static const char hex[] = "0123456789abcdef";
+    std::string out = "'";
+    size_t i = 0;
+    for (; i < name.size() && out.size() <= kShown; ++i) {
+        const unsigned char c = static_cast<unsigned char>(name[i]);
+        if (c == '\\' || c == '\'') {
+            out += '\\';
+            out += static_cast<char>(c);
+        } else if (c >= 0x20 && c < 0x7f) {
+            out += static_cast<char>(c);
+        } else if (c == '\n') {
+            out += "\\n";
+        } else if (c == '\t') {
+            out += "\\t";
+        } else {
+            out += "\\x";
+            out += hex[c >> 4];
+            out += hex[c & 15];
+        }
+    }
+    out += '\'';
+    if (i < name.size()) out += "... (" + std::to_string(name.size()) + " bytes)";
+    return out;
+}
+
+uint64_t process_start_time(int32_t pid) { return process_stat(pid).second; }
+
+uint64_t own_pid_namespace() {
+    struct stat st;
+    if (stat("/proc/self/ns/pid", &st) != 0) return 0;
+    return static_cast<uint64_t>(st.st_ino);
+}
+
+Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int64_t guarantee_bytes, int* slot) {
+    if (!valid_name(name))
+        return Status::make(Code::Invalid, "bad tenant name " + quoted_name(name) +
+                                               ": use 1-64 characters from [A-Za-z0-9._-], starting with a "
+                                               "letter or digit");
+    reap();
+    const int32_t me = static_cast<int32_t>(getpid());
+    const uint64_t start = process_start_time(me);
+    if (guarantee_bytes >= 0) {
+        const LedgerSnapshot s = snapshot();
+        int64_t explicit_sum = 0;
+        for (const auto& r : s.rows)
+            if (r.guarantee >= 0) explicit_sum += r.guarantee;
+        if (explicit_sum + guarantee_bytes > s.capacity)
+            return Status::make(Code::Invalid, "guarantee_bytes=" + std::to_string(guarantee_bytes) +
+                                                   " does not fit pool '" + name_ + "': explicit guarantees hold " +
+                                                   std::to_string(explicit_sum) + " of its " +
+                                                   std::to_string(s.capacity) + " bytes");
+    }
+    // Two tenants registering the same name at once: each publishes itself,
+    // then looks for the other; of two SC store-then-load sequences at least
+    // one sees the other, and whoever sees a twin withdraws (both may: retry).
+    for (int attempt = 0; attempt < 4; ++attempt) {
+        for (const auto& r : snapshot().rows)
+            if (r.name == name)
+                return Status::make(Code::Invalid,
+                                    "pool '" + name_ + "' already has a live tenant named " + quoted_name(name));
+        int mine = -1;
+        for (int i = 0; i < kMaxTenants && mine < 0; ++i) {
+            int32_t expect = 0;
+            if (hdr_->tenants[i].pid.compare_exchange_strong(expect, me, kSeq)) mine = i;
+        }
+        if (mine < 0)
+            return Status::make(Code::Shortage, "pool '" + name_ + "' has no free tenant slot (max " +
+                                                    std::to_string(kMaxTenants) + ")");
+        TenantSlot& t = hdr_->tenants[mine];
+        t.pidns.store(my_pidns_, kSeq);  // first: a reaper can judge the slot from here on
+        t.start_time.store(start, kSeq);
+        std::memset(t.name, 0, sizeof(t.name));
+        std::memcpy(t.name, name.data(), name.size());
+        t.claimed.store(0);
+        t.pending.store(0);
+        t.want.store(0);
+        t.wait_ticket.store(0);
+        t.waiting.store(0);
+        t.limit_state.store(0);
+        t.judged_revision.store(0);
+        t.reserve_pages.store(0);
+        t.lending.store(0);
+        SlotSettings& st = t.settings;
+        // Nobody else writes a slot that is not live yet: take the seqlock
+        // plainly, past any odd value a dead writer left behind.
+        const uint64_t seq = (st.seq.load() | 1) + 1;
+        st.seq.store(seq - 1);
+        st.limit.store(limit_bytes < 0 ? -1 : limit_bytes);
+        st.limit_revision.store(0);
+        st.guarantee.store(guarantee_bytes < 0 ? -1 : guarantee_bytes);
+        st.guarantee_revision.store(0);
+        st.seq.store(seq, std::memory_order_release);
+        t.live.store(1, kSeq);
+        if (t.pid.load(kSeq) != me) {
+            // Reaped while registering (judged dead by a confused peer): the
+            // slot is not ours any more; take another.
+            continue;
+        }
+        if (guarantee_bytes >= 0) {
+            // Two tenants registering at once could both pass the check
+            // above: re-check now that this one is published (SC: of two
+            // racers at least one sees the other) and withdraw if over.
+            int64_t sum = 0;
+            for (const auto& r : snapshot(false).rows)
+                if (r.guarantee >= 0) sum += r.guarantee;
+            if (sum > hdr_->capacity) {
+                t.live.store(0, kSeq);
+                t.pid.store(0, kSeq);
+                return Status::make(Code::Invalid, "guarantee_bytes=" + std::to_string(guarantee_bytes) +
+                                                       " does not fit pool '" + name_ + "': explicit guarantees "
+                                                       "would hold " + std::to_string(sum) + " of its " +
+                                                       std::to_string(hdr_->capacity) + " bytes");
+            }
+        }
+        bool twin = false;
+        for (int i = 0; i < kMaxTenants; ++i) {
+            if (i == mine) continue;
+            const TenantSlot& o = hdr_->tenants[i];
+            if (o.pid.load(kSeq) > 0 && o.live.load(kSeq) == 1 && std::strncmp(o.name, t.name, kNameBytes) == 0)
+                twin = true;
+        }
+        if (!twin) {
+            *slot = mine;
+            bump_generation();  // default guarantees changed: every tenant's share moved
+            return Status::ok();
+        }
+        t.live.store(0, kSeq);
+        t.pid.store(0, kSeq);
+        std::this_thread::sleep_for(std::chrono::microseconds(50 * (attempt + 1) * (1 + me % 7)));
+    }
+    return Status::make(Code::Invalid, "pool '" + name_ + "' already has a live tenant named " + quoted_name(name));
+}
+
+// Frees a slot its caller holds (its owner leaving, or a reaper that won
+// the pid CAS): out of every sum first (live = 0), then its figures and its
+// identity cleared, so the next tenant and a reader of a half-freed slot
+// see no stale claim, want or wait, and no old pid namespace or start time
+// to judge; the pid word last, which frees the slot for the next CAS.
+void Ledger::free_slot(int slot) {
+    TenantSlot& t = hdr_->tenants[slot];
+    t.live.store(0, kSeq);
+    t.claimed.store(0);
+    t.pending.store(0);
+    t.want.store(0);
+    t.waiting.store(0);
+    t.wait_ticket.store(0);
+    t.lending.store(0);
+    t.start_time.store(0);
+    t.pidns.store(0);
+    t.pid.store(0, kSeq);
+}
+
+void Ledger::unregister_tenant(int slot) {
+    if (slot < 0 || slot >= kMaxTenants) return;
+    if (hdr_->tenants[slot].pid.load() != static_cast<int32_t>(getpid())) return;
+    free_slot(slot);
+    bump_generation();
+}
+
+bool Ledger::reap_slot(int slot) {
+    TenantSlot& t = hdr_->tenants[slot];
+    int32_t pid = t.pid.load(kSeq);
+    if (pid <= 0) return false;
+    // Take the slot from the dead owner; a reaper racing us loses the CAS.
+    if (!t.pid.compare_exchange_strong(pid, -static_cast<int32_t>(getpid()), kSeq)) return false;
+    free_slot(slot);
+    return true;
+}
+
+int Ledger::reap() {
+    int reaped = 0;
+    const int32_t me = static_cast<int32_t>(getpid());
+    for (int i = 0; i < kMaxTenants; ++i) {
+        TenantSlot& t = hdr_->tenants[i];
+        const int32_t pid = t.pid.load(kSeq);
+        if (pid < 0) {
+            // A reaper that died inside reap_slot: finish its work if it is
+            // ours to judge (it would have been in our namespace only if the
+            // slot's owner was).
+            if (t.pidns.load() == my_pidns_ && tenant_dead(-pid, 0)) {
+                int32_t expect = pid;
+                if (t.pid.compare_exchange_strong(expect, 0, kSeq)) ++reaped;
+            }
+            continue;
+        }
+        if (pid == 0 || pid == me) continue;
+        // Only tenants of this PID namespace: another namespace's pid 7 is
+        // not our pid 7.
+        if (t.pidns.load(kSeq) != my_pidns_ || my_pidns_ == 0) continue;
+        // A slot still registering has no start time of its own yet: judge
+        // it only by its pid being gone.
+        const bool registering = t.live.load(kSeq) != 1;
+        const bool dead = registering ? (kill(pid, 0) != 0 && errno == ESRCH) : tenant_dead(pid, t.start_time.load());
+        if (dead) reaped += reap_slot(i) ? 1 : 0;
+    }
+    if (reaped) bump_generation();
+    return reaped;
+}
+
+Status Ledger::find_tenant(const std::string& tenant, int* slot) {
+    reap();
+    for (const auto& r : snapshot().rows)
+        if (r.name == tenant) {
+            *slot = r.slot;
+            return Status::ok();
+        }
+    return Status::make(Code::Ledger, "pool '" + name_ + "' has no tenant " + quoted_name(tenant));
+}
+
+}  // namespace kvpool
