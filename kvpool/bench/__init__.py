@@ -2,7 +2,7 @@
 
 ``kvpool bench SUITE [--quick] [--json PATH]`` runs one suite (or ``all``),
 prints its report and writes every raw figure to a JSON file;
-``kvpool bench report PATH [--write-readme README.md]`` turns that file into
+``kvpool bench report PATH... [--write-readme README.md]`` turns those files into
 the README's "Numbers" section (:mod:`kvpool.bench.report`).
 
 Every figure is printed as a ratio to a baseline measured in the same run
@@ -83,7 +83,8 @@ def add_arguments(sub: Any) -> None:
             p.add_argument("--profile", action="store_true", help="engines: cProfile the block pool round trips")
         p.set_defaults(bench=name)
     p = sub.add_parser("report", help="the README's Numbers section (markdown) from a bench JSON")
-    p.add_argument("path", metavar="JSON", help="a file written by `kvpool bench ... --json`")
+    p.add_argument("paths", nargs="+", metavar="JSON",
+                   help="files written by `kvpool bench ... --json` (a later file's suite wins)")
     p.add_argument("--write-readme", metavar="README", default=None,
                    help="also replace each suite's section between its markers in this README")
     p.set_defaults(bench="report")
@@ -94,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
     if args.bench == "report":
         from . import report
 
-        return report.main(args.path, args.write_readme)
+        return report.main(args.paths, args.write_readme)
     from ._lib import machine_info, utc_now, write_json
 
     names = list(SUITES) if args.bench == "all" else [args.bench]

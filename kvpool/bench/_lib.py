@@ -252,7 +252,7 @@ def run_vllm_side(python: str, origin: str, program: str, cfg: Mapping[str, Any]
     if proc.returncode != 0 or not out_path.is_file():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         why = f"{python} ({origin}) exited {proc.returncode}: " + " | ".join(tail)
-        if "No module named kvpool.bench" in proc.stderr:
+        if "No module named" in proc.stderr and "kvpool.bench" in proc.stderr:
             why += " (that venv's kvpool predates kvpool.bench: rerun scripts/vllm_venv.sh)"
         return {"available": False, "why": why}
     res: dict[str, Any] = json.loads(out_path.read_text())
