@@ -407,7 +407,9 @@ def markdown(res: Mapping[str, Any]) -> str:
     def pair(a: Mapping[str, Any], b: Mapping[str, Any], n: str, spec: str, unit: str) -> str:
         return f"{fmt(a[n], spec)} / {fmt(b[n], spec)}{unit}"
 
-    lines = [f"vLLM {bp['vllm']} from `scripts/vllm_venv.sh`; plugin pages {bp['geometry']['page_bytes'] // KiB} KiB.",
+    stale = "" if res.get("installed_adapter_matches_checkout") else (
+        " **Its kvpool's `adapters/vllm` differed from this checkout's: these are not this checkout's numbers.**")
+    lines = [f"vLLM {bp['vllm']} ({bp['origin']}); plugin pages {bp['geometry']['page_bytes'] // KiB} KiB.{stale}",
              "", "| figure | " + " | ".join(f"n = {n}" for n in cols) + " |", "|---|" + "---|" * len(cols),
              "| `free_blocks(get_new_blocks(n))`, vLLM `BlockPool`, caching off / on | "
              + " | ".join(pair(us["caching_off"]["vllm"], us["caching_on"]["vllm"], n, ".2f", " µs") for n in cols)
@@ -423,7 +425,7 @@ def markdown(res: Mapping[str, Any]) -> str:
     if gen.get("available"):
         c = gen["configs"]
         lines.append(f"Generation, {len(gen['prompt_lengths'])} prompts × {gen['max_tokens']} new tokens, "
-                     f"{gen['processes_per_config']} processes per configuration alternating: "
+                     f"{gen['processes_per_config']} process(es) per configuration, alternating: "
                      f"{c['kvpool']['median_tokens_per_s']:,.0f} vs {c['vllm']['median_tokens_per_s']:,.0f} tokens/s "
                      f"({fmt(gen['ratio_tokens_per_s'], '.3f')}×, goal ≥ 0.99); greedy tokens "
                      + ("identical" if gen["tokens_identical"] else "DIFFERENT")
