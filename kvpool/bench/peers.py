@@ -364,8 +364,9 @@ def markdown(res: Mapping[str, Any]) -> str:
     rows, ratios = rt["ns_per_roundtrip"], rt["ratios"]
     cols = [str(n) for n in rt["sizes"]]
     vl = res["vllm"]
-    lines = [f"vLLM {vl['vllm']}'s `BlockPool` ran in its own venv (`python -m kvpool.bench._vllm_side peers`), "
-             "timed by the same loops." if vl.get("available") else f"vLLM: skipped ({vl['why']}).", "",
+    lines = [f"vLLM {vl['vllm']}'s `BlockPool` ran in its own venv ({vl['origin']}, Python {vl['python']}; "
+             "`python -m kvpool.bench._vllm_side peers`), timed by the same loops."
+             if vl.get("available") else f"vLLM: skipped ({vl['why']}).", "",
              "| alloc(n)+free round trip | " + " | ".join(f"n = {n}" for n in cols) + " |",
              "|---|" + "---|" * len(cols)]
     for key in rows:
