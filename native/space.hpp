@@ -133,6 +133,7 @@ private:
     explicit Space(const SpaceConfig& cfg, std::unique_ptr<Backend> backend, std::shared_ptr<Ledger> ledger, int slot);
     Status init();
     Status check_usable() const;
+    Status enter_locked(std::unique_lock<std::mutex>& lk, bool nonblocking);
 
     // --- accounting, all called with mu_ held ---
     bool limit_deferred_locked() const;
