@@ -11,7 +11,7 @@ comment before a block says how it runs:
   (tests/_recipe_engine.py) join the pool as ``chat`` and ``code``;
 * ``installs``: the ``pip install`` step, which is this test's own set-up
   (kvpool is installed in the venv it runs from): not run;
-* ``needs vllm``: the ``vllm serve`` block, not run here (no vLLM, no
+* ``needs vllm``: the vLLM server block, not run here (no vLLM, no
   model); every ``KVPOOL_*`` variable it sets must be one kvpool reads, and it
   serves on 127.0.0.1 only;
 * ``background``: started in a session of its own, stopped at the end;
@@ -99,7 +99,7 @@ def test_the_vllm_block_sets_only_variables_kvpool_reads_and_serves_locally() ->
     names = set(re.findall(r"\b(KVPOOL_[A-Z_]+)=", code))
     assert {"KVPOOL_VLLM", "KVPOOL_VLLM_TENANT"} <= names
     assert all(kvpool_reads(v) for v in names), names
-    serves = [ln for ln in code.replace("\\\n", " ").splitlines() if "vllm serve" in ln]
+    serves = [ln for ln in code.replace("\\\n", " ").splitlines() if "vllm.entrypoints.openai.api_server" in ln]
     assert len(serves) == 2 and all("--host 127.0.0.1" in ln for ln in serves)
     # The variables table names only variables kvpool reads, and the vLLM block's among them.
     table = set(re.findall(r"^\| `(KVPOOL_[A-Z_]+)`", RECIPE.read_text(), re.M))
