@@ -6,26 +6,32 @@ HOST:PORT`` serves it on ``/metrics``. Each scrape reads the ledgers anew
 exporter holds no state and needs no tenant to call it: it is one more
 reader of the shared ledger, like ``kvpool top``. It never imports torch.
 
-Series (gauges; labels ``pool`` and, per tenant, ``tenant``)::
+Series (gauges unless named ``_total``; labels ``pool`` and, per tenant,
+``tenant``)::
 
     kvpool_pool_capacity_bytes{pool}           the pool's budget
     kvpool_pool_committed_bytes{pool}          committed by its live tenants together
     kvpool_pool_tenants{pool}                  live tenants
     kvpool_tenant_info{pool,tenant,pid,slot}   1 per live tenant: which process serves it
     kvpool_tenant_committed_bytes{pool,tenant} ... one line per row of TENANT_METRICS
+    kvpool_tenant_allocs_total{pool,tenant}    counters: allocs granted, and refused
+    kvpool_tenant_shortages_total{pool,tenant}   (``rate()`` of the second: a starved server)
 
 A tenant attribute that is ``None`` (no limit set) or that this ledger does
 not have gives no sample: an absent series, not a made-up zero. Booleans
-(``lending``) are 0 or 1. Adding a per-tenant figure is
-one row in :data:`TENANT_METRICS`.
+(``lending``) are 0 or 1. The counters are the tenant's own (its slot in the
+ledger, counted by the engine as it answers each alloc): they start at 0 when
+the tenant joins and go with it, which Prometheus reads as a counter reset.
+Adding a per-tenant figure is one row in :data:`TENANT_METRICS`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .errors import KVPoolError
@@ -36,14 +42,19 @@ __all__ = ["TENANT_METRICS", "PoolCollector", "registry", "exposition"]
 
 @dataclass(frozen=True)
 class Figure:
-    """One gauge: its name, its help text, and the attribute it reads."""
+    """One series: its name, its help text, the attribute it reads, and its type.
+
+    A counter's name ends in ``_total`` (Prometheus's convention; the
+    exposition's family name is the name without it).
+    """
 
     name: str
     help: str
     attribute: str
+    kind: Literal["gauge", "counter"] = "gauge"
 
 
-# One row per per-tenant gauge, read with getattr(TenantInfo, attribute, None).
+# One row per per-tenant series, read with getattr(TenantInfo, attribute, None).
 TENANT_METRICS: tuple[Figure, ...] = (
     Figure("kvpool_tenant_committed_bytes", "Physical memory the tenant has committed.", "committed_bytes"),
     Figure("kvpool_tenant_limit_bytes", "The tenant's cap on committed memory (absent: no limit).",
@@ -58,6 +69,10 @@ TENANT_METRICS: tuple[Figure, ...] = (
     Figure("kvpool_tenant_limit_deferred", "1 while the tenant's use is above its new limit.", "limit_deferred"),
     Figure("kvpool_tenant_waiting_requests", "Allocations waiting for memory.", "waiting"),
     Figure("kvpool_tenant_idle_pages", "Committed idle pages kept ready (the reserve).", "reserve_pages"),
+    Figure("kvpool_tenant_allocs_total", "Allocations granted to the tenant since it joined.", "allocs",
+           "counter"),
+    Figure("kvpool_tenant_shortages_total", "Allocations refused for lack of memory or admission since the "
+           "tenant joined.", "shortages", "counter"),
 )
 
 POOL_METRICS: tuple[Figure, ...] = (
@@ -129,14 +144,15 @@ class PoolCollector(Collector):
                 info.add_metric([s.name, t.name, str(t.pid), str(t.slot)], 1.0)
         yield info
         for fig in TENANT_METRICS:
-            family = GaugeMetricFamily(fig.name, fig.help, labels=["pool", "tenant"])
+            kind = CounterMetricFamily if fig.kind == "counter" else GaugeMetricFamily
+            series = kind(fig.name, fig.help, labels=["pool", "tenant"])
             for s in samples:
                 for t in s.tenant_list:
                     value = tenant_value(t, fig.attribute)
                     if value is not None:
-                        family.add_metric([s.name, t.name], value)
-            if family.samples:  # a figure no tenant has (yet) is no series at all
-                yield family
+                        series.add_metric([s.name, t.name], value)
+            if series.samples:  # a figure no tenant has (yet) is no series at all
+                yield series
 
 
 def registry(pools: Iterable[str] | None = None) -> CollectorRegistry:

@@ -247,6 +247,8 @@ class TenantInfo:
     want_bytes: int                # what its waiting requests need beyond what it holds
     lending: bool                  # gives memory back to a tenant below its guarantee
     visible: bool                  # in this PID namespace (its liveness is judged here)
+    allocs: int                    # allocs granted since it joined (monotonic)
+    shortages: int                 # allocs refused for lack of memory or admission (monotonic)
 
 
 @dataclass(frozen=True)
@@ -320,6 +322,7 @@ class Pool:
                 guarantee_setting=None if r.guarantee < 0 else r.guarantee,
                 guarantee_revision=r.guarantee_revision, borrowed_bytes=max(0, r.claimed - g),
                 want_bytes=r.want, lending=bool(r.lending), visible=bool(r.visible),
+                allocs=r.allocs, shortages=r.shortages,
             ))
         # The total is the sum of these rows (claims in flight, counted by
         # the ledger's judges, are in neither).

@@ -41,6 +41,19 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
     std::unique_lock<std::mutex> lk(mu_, std::defer_lock);
     Status entered = enter_locked(lk, nonblocking);
     if (!entered.is_ok()) return entered;
+    Status s = alloc_locked(lk, n, out, available, committed, nonblocking, promised);
+    // The ledger counts each answer the caller gets, exactly as the space's
+    // own allocs/shortages do: a grant of n > 0 blocks, or a refusal for lack
+    // of memory or admission. WouldBlock is no answer (the binding retries
+    // blocking); a bad n or a driver failure is no shortage. Still under the
+    // mutex: a concurrent close() cannot have given the slot back yet.
+    if (s.is_ok() ? n > 0 : s.code == Code::Shortage || s.code == Code::Unsatisfiable)
+        budget_.count_alloc(s.is_ok());
+    return s;
+}
+
+Status Space::alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t* out, int64_t* available,
+                           int64_t* committed, bool nonblocking, bool promised) {
     if (n < 0) return Status::make(Code::Invalid, "alloc: n must be >= 0, got " + std::to_string(n));
     if (n == 0) return Status::ok();
     refresh_budget_locked();

@@ -177,6 +177,8 @@ NB_MODULE(_native, m) {
         .def_ro("limit_state", &kvpool::TenantRow::limit_state)
         .def_ro("lending", &kvpool::TenantRow::lending)
         .def_ro("reserve_pages", &kvpool::TenantRow::reserve_pages)
+        .def_ro("allocs", &kvpool::TenantRow::allocs)
+        .def_ro("shortages", &kvpool::TenantRow::shortages)
         .def_ro("limit", &kvpool::TenantRow::limit)
         .def_ro("limit_revision", &kvpool::TenantRow::limit_revision)
         .def_ro("guarantee", &kvpool::TenantRow::guarantee)

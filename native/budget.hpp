@@ -92,6 +92,11 @@ public:
     void publish_want(int64_t pages);
     int64_t want_pages() const { return want_pages_; }
     void report(bool limit_deferred, int32_t waiting, int64_t reserve_pages);
+    // One alloc answered (granted or refused), counted in the ledger for
+    // readers (kvpool metrics); private budgets have no readers to tell.
+    void count_alloc(bool granted) {
+        if (ledger_) ledger_->count_alloc(slot_, granted);
+    }
 
     BudgetFigures figures() const;
 

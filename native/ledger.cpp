@@ -214,6 +214,8 @@ LedgerSnapshot Ledger::snapshot(bool names) const {
         r.limit_state = t.limit_state.load(kSeq);
         r.lending = t.lending.load(kSeq);
         r.reserve_pages = t.reserve_pages.load(kSeq);
+        r.allocs = t.allocs.load(std::memory_order_relaxed);
+        r.shortages = t.shortages.load(std::memory_order_relaxed);
         // A writer stopped inside the seqlock: use what is there (a torn
         // setting misjudges one tenant's share; waiting forever is worse).
         if (!read_settings(i, &r.limit, &r.limit_revision, &r.guarantee, &r.guarantee_revision)) {

@@ -45,8 +45,8 @@
 
 namespace kvpool {
 
-constexpr uint64_t kLedgerMagic = 0x4b56504f4f4c4c32ULL;  // "KVPOOLL2"
-constexpr uint32_t kLedgerVersion = 2;
+constexpr uint64_t kLedgerMagic = 0x4b56504f4f4c4c33ULL;  // "KVPOOLL3"
+constexpr uint32_t kLedgerVersion = 3;  // 3: allocs and shortages per slot
 constexpr int kMaxTenants = 64;
 constexpr int kMaxNameLen = 64;             // pool and tenant names: [A-Za-z0-9][A-Za-z0-9._-]{0,63}
 constexpr int kNameBytes = 72;              // stored NUL-terminated
@@ -79,6 +79,11 @@ struct TenantSlot {
     std::atomic<int32_t> lending;     // 1 while it lends to a tenant below its guarantee
     std::atomic<int32_t> pad0;
     std::atomic<int64_t> judged_revision;  // the limit revision limit_state judged
+    // Monotonic (Prometheus counters): allocs the owner answered, granted or
+    // refused for lack of memory or admission. Bumped on the hot path, so
+    // relaxed: a reader wants a recent count, not an order against claims.
+    std::atomic<uint64_t> allocs;
+    std::atomic<uint64_t> shortages;
     SlotSettings settings;
 };
 
@@ -103,6 +108,7 @@ struct TenantRow {
     uint64_t wait_ticket = 0;
     int32_t waiting = 0, limit_state = 0, lending = 0;
     int64_t reserve_pages = 0;
+    uint64_t allocs = 0, shortages = 0;  // owner-counted answers to alloc: granted, refused
     int64_t limit = -1, limit_revision = 0, guarantee = -1, guarantee_revision = 0;
 };
 
@@ -159,6 +165,13 @@ public:
     // generation when the want appears or goes (lenders react to it).
     void publish_want(int slot, int64_t want_bytes);
     void publish_lending(int slot, bool lending);
+    // One alloc answered (granted, or refused: a shortage or beyond what the
+    // tenant can ever hold). The hot path: one relaxed add on the owner's
+    // slot, no lock, no syscall; inline so it costs no call either.
+    void count_alloc(int slot, bool granted) {
+        TenantSlot& t = hdr_->tenants[slot];
+        (granted ? t.allocs : t.shortages).fetch_add(1, std::memory_order_relaxed);
+    }
 
     // Settings (any process). *result says how the pool took it.
     Status set_limit(int slot, int64_t bytes, int64_t revision, LimitResult* result);

@@ -84,9 +84,9 @@ Status Space::init() {
         // fresh space always yields block 0: page 0 holds floor(P/B) blocks,
         // the most any page holds, and is planned first.
         int64_t id = -1, avail = 0;
-        Status s = alloc(1, &id, &avail);
+        std::unique_lock<std::mutex> lk(mu_);
+        Status s = alloc_locked(lk, 1, &id, &avail, nullptr, /*nonblocking=*/false, /*promised=*/false);
         if (!s.is_ok()) return s;
-        std::lock_guard<std::mutex> lk(mu_);
         table_.page(0).pinned = true;
         used_ -= 1;  // the null block is not a user block
         counters_.allocs -= 1;

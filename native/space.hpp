@@ -134,6 +134,10 @@ private:
     Status init();
     Status check_usable() const;
     Status enter_locked(std::unique_lock<std::mutex>& lk, bool nonblocking);
+    // alloc() once entered, uncounted in the ledger (alloc() counts its answer;
+    // init()'s null block is no tenant's alloc). May wait on cv_ through lk.
+    Status alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t* out, int64_t* available,
+                        int64_t* committed, bool nonblocking, bool promised);
 
     // --- accounting, all called with mu_ held ---
     bool limit_deferred_locked() const;

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpool import Geometry, KVSpace, Pool, TenantInfo
+from kvpool import Geometry, KVSpace, Pool, PoolExhausted, RequestTooLarge, TenantInfo
 from kvpool import metrics as kvmetrics
 from kvpool.cli import host_port, main
 
@@ -101,11 +101,34 @@ def test_names_and_labels_follow_prometheus_conventions(pool_name: str,
     assert families
     for fam in families:
         assert re.fullmatch(r"kvpool_(pool|tenant)_[a-z_]+", fam.name), fam.name
-        assert fam.type == "gauge" and fam.documentation
+        assert fam.type in ("gauge", "counter") and fam.documentation
+        if fam.type == "counter":  # the family is named without _total, its samples with it
+            assert not fam.name.endswith("_total") and {s.name for s in fam.samples} == {fam.name + "_total"}
         assert "bytes" not in fam.name or fam.name.endswith("_bytes")
         for s in fam.samples:
             assert set(s.labels) <= {"pool", "tenant", "pid", "slot"}
             assert s.labels["pool"] == pool_name
+
+
+def test_a_tenants_allocs_and_shortages_are_counters_of_what_it_did(pool_name: str,
+                                                                   make_space: Callable[..., KVSpace]) -> None:
+    pool = Pool(pool_name, create=False)
+    space = make_space(GEOMETRY, pool=pool, name="engine-a", limit_bytes=2 * PCB)  # at most 2 pages
+    idle = make_space(GEOMETRY, pool=pool, name="engine-b")
+    for _ in range(5):
+        space.alloc(1)
+    with pytest.raises(PoolExhausted):
+        space.alloc(2 * PER_PAGE)  # within its limit, more than it has left: a shortage
+    with pytest.raises(RequestTooLarge):
+        space.alloc(3 * PER_PAGE)  # beyond its limit: refused at admission, also a shortage
+    families = {f.name: f for f in text_string_to_metric_families(kvmetrics.exposition([pool_name]))}
+    for name, done in (("kvpool_tenant_allocs", {"engine-a": 5, "engine-b": 0}),
+                       ("kvpool_tenant_shortages", {"engine-a": 2, "engine-b": 0})):
+        fam = families[name]
+        assert fam.type == "counter"
+        assert {s.labels["tenant"]: s.value for s in fam.samples if s.name == name + "_total"} == done
+    assert {(t.name, t.allocs, t.shortages) for t in pool.tenants()} == {("engine-a", 5, 2), ("engine-b", 0, 0)}
+    assert idle.stats().allocs == 0
 
 
 def test_a_tenant_field_the_ledger_gains_is_exported_without_new_code(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,6 +190,7 @@ def test_listen_serves_metrics_that_follow_the_ledger(pool_name: str, make_space
         assert scrape()[key] == pool.tenants()[0].committed_bytes == PCB
         space.alloc(2 * PER_PAGE)  # each scrape reads the ledger anew
         assert scrape()[key] == pool.tenants()[0].committed_bytes == 3 * PCB
+        assert scrape()[tenant_key("kvpool_tenant_allocs_total", pool_name, "engine-a")] == 2
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import pathlib
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from kvpool import Geometry, KVSpace, LedgerError, Pool, PoolExhausted, list_pools
+from kvpool import BackendError, Geometry, KVSpace, LedgerError, Pool, PoolExhausted, RequestTooLarge, list_pools
 
 from .conftest import KiB
 
@@ -134,6 +135,48 @@ def test_claims_cap_the_pool_and_available_counts_the_budget(pool_name: str) -> 
         assert pool.committed == 5 * PCB == a.allocated_bytes() + b.allocated_bytes()
         assert {t.name: t.committed_bytes for t in pool.tenants()} == {"a": 3 * PCB, "b": 2 * PCB}
     assert pool.committed == 0 and pool.tenants() == []
+
+
+def test_each_tenants_alloc_and_shortage_counters_are_exact_after_a_known_sequence(pool_name: str) -> None:
+    # Issue 13 item 4: the ledger counts, per tenant, each answer its space
+    # gives an alloc (granted, or refused for lack of memory or admission),
+    # once per call: the binding's non-blocking try that would block is no
+    # answer; an empty alloc, the null block and a driver failure count for
+    # nothing.
+    pool = Pool(pool_name, capacity=5 * PCB)
+
+    def counters() -> dict[str, tuple[int, int]]:
+        return {t.name: (t.allocs, t.shortages) for t in pool.tenants()}
+
+    with KVSpace(G, pool=pool, name="a", reserve_thread=False, reserve=(0, 0)) as a, \
+         KVSpace(G, pool=pool, name="b", reserve_thread=False, reserve=(0, 0), null_block=True) as b:
+        assert counters() == {"a": (0, 0), "b": (0, 0)}  # b's null block is no alloc of its engine
+        held = a.alloc(12)  # 3 pages committed inline: tried non-blocking, then blocking; one grant
+        a.alloc(0)
+        a._inject_fault("commit", 1, errno.EIO)
+        with pytest.raises(BackendError):
+            a.alloc(1)  # a driver failure, not a shortage
+        a._inject_fault("commit", 1, errno.ENOSPC)
+        with pytest.raises(PoolExhausted):
+            a.alloc(4)  # out of memory at commit: a shortage
+        with pytest.raises(PoolExhausted):
+            b.alloc(9)  # 3 on its pinned page + 4 on the last free page of the pool
+        with pytest.raises(RequestTooLarge):
+            b.alloc(100)  # beyond the pool's capacity: refused at admission
+        b.alloc(7)
+        a.free(held[:2])
+        a.alloc(2)  # the holes just freed: no commit, granted non-blocking
+        assert counters() == {"a": (2, 1), "b": (1, 2)}
+        # The ledger's counts are the space's own.
+        for space in (a, b):
+            st = space.stats()
+            assert counters()[space.name] == (st.allocs, st.shortages)
+        slot_a = next(t.slot for t in pool.tenants() if t.name == "a")
+    with KVSpace(G, pool=pool, name="c", reserve_thread=False, reserve=(0, 0)) as c:
+        # A new tenant in a's old slot starts from zero.
+        assert [(t.slot, t.allocs, t.shortages) for t in pool.tenants()] == [(slot_a, 0, 0)]
+        c.alloc(1)
+        assert counters() == {"c": (1, 0)}
 
 
 def test_tenant_names_are_unique_in_a_pool(pool_name: str) -> None:
