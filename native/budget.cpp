@@ -150,10 +150,12 @@ void Budget::release(int64_t pages) {
     relend();
 }
 
-int64_t Budget::room_pages(bool promised) const {
+int64_t Budget::room_pages(bool promised, int64_t releasing) const {
     int64_t room = kUnlimited;
     const int64_t lim = limit_pages();
-    if (lim >= 0) room = std::max<int64_t>(0, lim - claimed_pages_);
+    // `releasing` of the claimed pages are on their way back: count the room
+    // they leave once back (under a limit: lim - the claims that stay).
+    if (lim >= 0) room = std::max<int64_t>(0, lim - (claimed_pages_ - releasing));
     if (ledger_) {
         // Nobody waits anywhere: the rules reduce to the pool's free bytes.
         int64_t free_bytes = 0;
@@ -163,7 +165,7 @@ int64_t Budget::room_pages(bool promised) const {
                                             const Share sh = judge_share(ledger_->snapshot(false), slot_);
                                             return promised ? sh.free : sh.room;
                                         }();
-        room = std::min(room, pool_room / pcb_);
+        room = std::min(room, pool_room / pcb_ + releasing);
     }
     return room;
 }

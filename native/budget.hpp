@@ -65,7 +65,9 @@ public:
     int64_t claimed_pages() const { return claimed_pages_; }
 
     // Pages claim() would grant now (with `promised`, as claim(.., true) would).
-    int64_t room_pages(bool promised = false) const;
+    // `releasing`: pages of this tenant's claims in flight back to the pool,
+    // counted as returned (the settled view available() reports).
+    int64_t room_pages(bool promised = false, int64_t releasing = 0) const;
     // Cap on committed pages from the limit in force (-1 = none).
     int64_t limit_pages() const;
     // The most pages this tenant can ever hold: min(limit, capacity) (-1 = no bound).

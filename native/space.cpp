@@ -163,8 +163,7 @@ int64_t Space::max_blocks_locked() const {
 int64_t Space::available_locked() const {
     if (budget_.lending()) return 0;
     int64_t avail = table_.partial_free() + idle_usable_cap_locked();
-    int64_t k = budget_.room_pages();
-    if (k != kUnlimited) k += table_.count(PageState::Releasing);
+    int64_t k = budget_.room_pages(false, table_.count(PageState::Releasing));
     std::vector<int32_t> rel;
     for (int32_t p : table_.releasing()) rel.push_back(table_.page(p).cap);
     std::sort(rel.rbegin(), rel.rend());
