@@ -64,7 +64,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def run_engine(tmp: pathlib.Path, cfg: dict[str, Any], *, plugin: bool, pool: str | None = None,
-               tenant: str | None = None, wait: bool = True) -> Any:
+               tenant: str | None = None, wait: bool = True, env_extra: dict[str, str] | None = None) -> Any:
     cfg_path = tmp / f"cfg-{uuid.uuid4().hex[:6]}.json"
     out_path = cfg_path.with_suffix(".out.json")
     # One batch limit for every run, reference included: a different limit
@@ -79,6 +79,7 @@ def run_engine(tmp: pathlib.Path, cfg: dict[str, Any], *, plugin: bool, pool: st
             env["KVPOOL_POOL"] = pool
         if tenant:
             env["KVPOOL_VLLM_TENANT"] = tenant
+        env.update(env_extra or {})
     proc = subprocess.Popen([VLLM_PYTHON, str(HERE / "run_engine.py"), str(cfg_path), str(out_path)], cwd=tmp,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if not wait:
@@ -178,8 +179,11 @@ def test_capped_pool_grows_and_shrinks_with_identical_outputs(
         # Cached blocks stay held while idle; lowering this engine's limit is
         # what makes it give whole cached pages back.
         phases[1]["limit_bytes"] = 3 * UNIT
+    # Emptied pages go back as they empty (no idle interval): the fall between
+    # the phases must not wait for the default 1 s interval to pass inside
+    # the 0.3 s pause (the interval itself: tests/test_hot_path.py).
     res = run_engine(tmp_path, {"model": tiny_model, "prefix_caching": prefix_caching, "phases": phases},
-                     plugin=True, pool=pool_name, tenant="capped")
+                     plugin=True, pool=pool_name, tenant="capped", env_extra={"KVPOOL_VLLM_IDLE_RELEASE_S": "0"})
     assert res["phases"][0]["tokens"] == reference["p1"]
     assert res["phases"][1]["tokens"] == reference["p2"]
     c = committed(res)

@@ -24,8 +24,10 @@ vLLM's own words, a pool or limit that can never hold one ``max_model_len``
 request (:mod:`.admission`).
 
 Optional settings: ``KVPOOL_VLLM_PAGE_BYTES`` (commit unit per layer,
-default 2 MiB) and ``KVPOOL_VLLM_TENANT`` (the tenant name, default
-``vllm-<pid>``). Supported: models with one full-attention KV cache group
+default 2 MiB), ``KVPOOL_VLLM_TENANT`` (the tenant name, default
+``vllm-<pid>``) and ``KVPOOL_VLLM_IDLE_RELEASE_S`` (how long emptied pages
+above the reserve stay committed while no other tenant waits, default 1 s;
+0: they go back as they empty; see ``KVSpace(idle_release_s=)``). Supported: models with one full-attention KV cache group
 (one KV backing tensor), on CPU (both process modes) and on CUDA with the
 worker in the engine-core process.
 """

@@ -423,9 +423,15 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[KVSpac
     if device not in ("cpu", "cuda"):
         raise NotImplementedError(f"kvpool's vLLM plugin runs on cpu or cuda, not {device}")
     block_size = int(kv_cache_configs[0].kv_cache_groups[0].kv_cache_spec.block_size)
+    idle = os.environ.get("KVPOOL_VLLM_IDLE_RELEASE_S", "1.0")
+    try:
+        idle_release_s = float(idle)
+    except ValueError:
+        raise ValueError(f"KVPOOL_VLLM_IDLE_RELEASE_S must be a number of seconds, got {idle!r}") from None
     space = KVSpace(
         g, device=device, null_block=True, pool=Pool(default_pool_name(), device=device),
         name=os.environ.get("KVPOOL_VLLM_TENANT") or f"vllm-{os.getpid()}",
+        idle_release_s=idle_release_s,
     )
     try:
         # vLLM's own check saw the virtual capacity: judge what the pool can back.
