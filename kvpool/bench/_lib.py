@@ -257,3 +257,25 @@ def run_vllm_side(python: str, origin: str, program: str, cfg: Mapping[str, Any]
         return {"available": False, "why": why}
     res: dict[str, Any] = json.loads(out_path.read_text())
     return {"available": True, **res, "origin": origin, "subprocess_s": wall_s}
+
+
+async def cross_process_grant_us(m: KVCacheManager, child: subprocess.Popen[str], n: int) -> float:
+    """One round of a cross-process hand-off: park ``alloc(n)`` on ``m``, tell
+    ``child`` to ``give`` (it frees and prints its free's monotonic ns), and
+    return the µs from that free to this grant; the grant goes back (freed,
+    trimmed) so the next round starts alike."""
+    import asyncio
+
+    assert child.stdin is not None and child.stdout is not None
+    task = asyncio.create_task(m.alloc(n))
+    while m.waiting != 1:
+        await asyncio.sleep(0)
+    child.stdin.write("give\n")
+    child.stdin.flush()
+    ids = await task
+    t_grant = time.monotonic_ns()
+    t_free = int(await asyncio.to_thread(child.stdout.readline))
+    m.free(ids)
+    m.trim()  # the granted page goes back; the child refills it next round
+    return (t_grant - t_free) / 1e3
+

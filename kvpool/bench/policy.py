@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._lib import BIG_RESERVE, Goal, KiB, MiB, geo_info, goal_lines, machine_line, no_page_syscalls, ratio
+from ._lib import BIG_RESERVE, Goal, cross_process_grant_us, KiB, MiB, geo_info, goal_lines, machine_line, no_page_syscalls, ratio
 from ._timing import SyncBody, interleaved_ns, percentiles, roundtrip_loop
 
 if TYPE_CHECKING:
@@ -157,17 +157,7 @@ async def _rounds(pool: Pool, child: subprocess.Popen[str], guarantee: int | Non
             child.stdin.flush()
             full = child.stdout.readline().split()
             assert full[0] == "full" and int(full[1]) == RC_POOL_PAGES * RC_BPP, full
-            task = asyncio.create_task(m.alloc(RC_BPP))
-            while m.waiting != 1:
-                await asyncio.sleep(0)
-            child.stdin.write("give\n")
-            child.stdin.flush()
-            ids = await task
-            t_grant = time.monotonic_ns()
-            t_free = int(await asyncio.to_thread(child.stdout.readline))
-            lat.append((t_grant - t_free) / 1e3)
-            m.free(ids)
-            m.trim()  # B's page goes back; A refills it next round
+            lat.append(await cross_process_grant_us(m, child, RC_BPP))
     return lat
 
 

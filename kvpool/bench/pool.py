@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._lib import machine_line, ratio
+from ._lib import cross_process_grant_us, machine_line, ratio
 from ._timing import percentiles
 
 if TYPE_CHECKING:
@@ -75,17 +75,7 @@ async def cross_process(pool: Pool, child: subprocess.Popen[str], rounds: int) -
             child.stdin.write("take\n")
             child.stdin.flush()
             assert child.stdout.readline().strip() == "took"
-            task = asyncio.create_task(m.alloc(16))
-            while m.waiting != 1:
-                await asyncio.sleep(0)
-            child.stdin.write("give\n")
-            child.stdin.flush()
-            ids = await task
-            t_grant = time.monotonic_ns()
-            t_free = int(await asyncio.to_thread(child.stdout.readline))
-            lat.append((t_grant - t_free) / 1e3)
-            m.free(ids)
-            m.trim()
+            lat.append(await cross_process_grant_us(m, child, 16))
     return lat
 
 
