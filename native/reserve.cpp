@@ -3,7 +3,8 @@
 // Reserve thread: keeps at least reserve_min idle committed pages, and gives
 // idle pages back: while over the limit or while lending (a lender keeps no
 // idle pages: they go back to the pool at once); above reserve_max while
-// another tenant waits; and otherwise above reserve_max only once they stayed
+// another tenant waits (all the excess seen then, even if the waiter is served
+// first); and otherwise above reserve_max only once they stayed
 // unused for a whole idle interval (idle_release_s), so a steady alloc/free
 // loop never commits and releases the same pages over and over. It never calls into
 // Python (it has no Python state at all) and never holds mu_ across a
@@ -132,8 +133,9 @@ void Space::thread_main() {
             if (idle_tick_at_ == clock::time_point::max()) {
                 arm_idle_interval_locked();
             } else if (clock::now() >= idle_tick_at_) {
-                idle_surplus_ = std::max<int64_t>(0, std::min(idle_low_water_, table_.count(PageState::Reserve)) -
-                                                         reserve_target_max_locked());
+                idle_surplus_ = std::max<int64_t>(
+                    idle_surplus_, std::min(idle_low_water_, table_.count(PageState::Reserve)) -
+                                       reserve_target_max_locked());
                 arm_idle_interval_locked();
                 if (idle_surplus_ > 0) continue;  // release them (want_release sees the surplus)
             }

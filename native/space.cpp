@@ -200,6 +200,11 @@ void Space::refresh_budget_locked() {
     if (!budget_.stale()) return;
     budget_.refresh();
 
+    // Pressure (another tenant waits, or this one lends) makes the whole
+    // idle excess surplus now: it all goes back, even if the waiter is
+    // served (and stops waiting) before the last of it is released.
+    if (budget_.others_waiting() || budget_.lending())
+        idle_surplus_ = std::max(idle_surplus_, table_.count(PageState::Reserve) - reserve_target_max_locked());
     commit_retry_at_ = {};
     if (cfg_.reserve_thread) cv_.notify_all();
     else release_inline_locked();
