@@ -1,6 +1,7 @@
 """Build a tiny random-weight Llama and a locally trained tokenizer (no hub).
 
-Run with the vLLM venv's Python: ``python tiny_llama.py OUT_DIR``. The model is
+Run with the vLLM venv's Python: ``python tiny_llama.py OUT_DIR [MAX_POSITIONS]``
+(default 2048: the longest ``--max-model-len`` vLLM accepts for it). The model is
 what vLLM's CPU attention accepts (head_dim 32, bf16); the weights come from a
 fixed seed, so every run builds the same model and greedy outputs are
 reproducible across processes.
@@ -22,7 +23,7 @@ CORPUS = [
 ] * 50
 
 
-def build(out: pathlib.Path) -> None:
+def build(out: pathlib.Path, max_positions: int = 2048) -> None:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -40,7 +41,7 @@ def build(out: pathlib.Path) -> None:
 
     torch.manual_seed(1234)
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=max_positions,
                       bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
     # Wide logit margins: with the default init (std 0.02) the top two logits
@@ -55,4 +56,4 @@ def build(out: pathlib.Path) -> None:
 
 
 if __name__ == "__main__":
-    build(pathlib.Path(sys.argv[1]))
+    build(pathlib.Path(sys.argv[1]), *(int(a) for a in sys.argv[2:3]))
