@@ -29,14 +29,11 @@ import pytest
 
 from kvpool import Geometry, KVSpace, Pool, PoolExhausted
 
+from ._vllm_engines import (HERE, MAX_TOKENS, PAGE, UNIT, VLLM_PYTHON, build_model, committed, finish, phase,
+                            prompts, run_engine)
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]  # real engines start in child processes
 
-HERE = pathlib.Path(__file__).parent / "vllm_support"
-VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
-PAGE = 64 << 10
-UNIT = 2 * PAGE  # committed bytes per kvpool page (two layers)
-LENGTHS = (5, 17, 40, 90, 150, 33, 64, 120, 8, 200)
-MAX_TOKENS = 96
 
 if not VLLM_PYTHON:
     if os.environ.get("KVPOOL_REQUIRE_VLLM") == "1":
@@ -44,59 +41,15 @@ if not VLLM_PYTHON:
     pytest.skip("set KVPOOL_VLLM_PYTHON to a vLLM venv's python (scripts/test.sh does)", allow_module_level=True)
 
 
-def _prompts(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(n)] for n in LENGTHS]
-
-
-PROMPTS = _prompts(0)
+PROMPTS = prompts(0)
 # The second batch shares 64-token prefixes (two full blocks) with the first
 # where it can, so prefix caching gets real hits across phases and engines.
-PROMPTS_2 = [(p[:64] if len(p) > 64 else []) + q for p, q in zip(PROMPTS, _prompts(1))]
+PROMPTS_2 = [(p[:64] if len(p) > 64 else []) + q for p, q in zip(PROMPTS, prompts(1))]
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([VLLM_PYTHON, str(HERE / "tiny_llama.py"), str(out)], check=True, cwd=out,
-                   capture_output=True, timeout=300)
-    return str(out)
-
-
-def run_engine(tmp: pathlib.Path, cfg: dict[str, Any], *, plugin: bool, pool: str | None = None,
-               tenant: str | None = None, wait: bool = True, env_extra: dict[str, str] | None = None) -> Any:
-    cfg_path = tmp / f"cfg-{uuid.uuid4().hex[:6]}.json"
-    out_path = cfg_path.with_suffix(".out.json")
-    # One batch limit for every run, reference included: a different limit
-    # changes batch composition, and bf16 kernels are not batch-invariant.
-    cfg = dict({"max_num_seqs": 10}, **cfg, pool=pool, tenant=tenant)
-    cfg_path.write_text(json.dumps(cfg))
-    env = dict(os.environ, KVPOOL_LOG_LEVEL="info", KVPOOL_LOG_FORMAT="json", VLLM_LOGGING_LEVEL="WARNING")
-    env.pop("KVPOOL_VLLM", None)
-    if plugin:
-        env.update(KVPOOL_VLLM="1", KVPOOL_VLLM_PAGE_BYTES=str(PAGE))
-        if pool:
-            env["KVPOOL_POOL"] = pool
-        if tenant:
-            env["KVPOOL_VLLM_TENANT"] = tenant
-        env.update(env_extra or {})
-    proc = subprocess.Popen([VLLM_PYTHON, str(HERE / "run_engine.py"), str(cfg_path), str(out_path)], cwd=tmp,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if not wait:
-        return proc, out_path
-    return finish(proc, out_path)
-
-
-def finish(proc: subprocess.Popen[str], out_path: pathlib.Path) -> dict[str, Any]:
-    stdout, stderr = proc.communicate(timeout=400)
-    assert proc.returncode == 0, stderr[-4000:]
-    result: dict[str, Any] = json.loads(out_path.read_text())
-    result["events"] = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
-    return result
-
-
-def phase(prompts: list[list[int]], **more: Any) -> dict[str, Any]:
-    return {"prompts": prompts, "max_tokens": MAX_TOKENS, **more}
+    return build_model("tiny_llama.py", tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
@@ -113,10 +66,6 @@ def pool_name() -> Any:
     name = f"test-vllm-{uuid.uuid4().hex[:8]}"
     yield name
     Pool.remove(name)
-
-
-def committed(res: dict[str, Any]) -> list[int]:
-    return [mine for _, _, mine in res["samples"]]
 
 
 # ------------------------------------------------ the BlockPool contract, unit level

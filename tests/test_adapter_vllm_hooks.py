@@ -6,7 +6,9 @@ of the vLLM venv ($KVPOOL_VLLM_PYTHON, set by scripts/test.sh); each reports
 vLLM unpatched and a second install clean; install twice wraps once;
 uninstall restores every original; a vLLM release outside the tested range
 is refused with the range (and forced by KVPOOL_VLLM_ALLOW_UNTESTED=1); the
-scheduler's block pool is found through the handle its config carries.
+scheduler's block pool is found through the handle its config carries; the space
+layout of hybrid KV cache configs (groups overlaying one allocation, layer
+slots, block-outermost) and the refusal of Mamba layers, naming the spec.
 """
 
 from __future__ import annotations

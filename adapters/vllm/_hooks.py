@@ -45,18 +45,8 @@ The points, in the order they act:
    the engine's own thread (vLLM's structures are not thread-safe, and an
    idle engine otherwise runs no scheduler call at all).
 
-Layouts (one KV backing tensor of L same-shaped layers, block page ``p``)::
-
-    layer-outermost (vLLM's default, LBHNC):
-      vLLM   [ layer 0: b0 b1 ... bN-1 ][ layer 1: b0 ... ]     layer_stride = N*p
-      kvpool [ region 0: page | page |..][ region 1: ... ]      one region per layer,
-                                                                block_bytes = p
-    block-outermost:
-      vLLM   [ b0: l0 l1 .. ][ b1: l0 l1 .. ] ...               block_stride = L*p
-      kvpool [ region 0: page | page | ... ]                     block_bytes = L*p
-
-Either way block ``b`` of every layer lies in the pages kvpool commits when it
-hands block ``b`` out.
+Where vLLM's KV tensors lie in the space (one layer slot per region; hybrid
+groups overlay each other, as in vLLM) is :mod:`.layout`'s concept.
 """
 
 from __future__ import annotations
@@ -74,12 +64,13 @@ from typing import Any, cast
 
 import torch
 
-from kvpool import Geometry, KVSpace, Pool, SharedMemory, map_shared
+from kvpool import KVSpace, Pool, SharedMemory, map_shared
 from kvpool.pool import default_pool_name
 from kvpool.tracing import get_logger
 
 from .admission import check_one_request_fits
 from .block_pool import KVPoolBlockPool
+from .layout import blocks_per_request, space_layout, view_tensor
 
 __all__ = ["ALLOW_UNTESTED_ENV", "PATCHES", "TESTED", "PatchPoint", "UnsupportedVLLM", "install", "installed",
            "uninstall"]
@@ -383,32 +374,6 @@ PATCHES: tuple[PatchPoint, ...] = (
 )
 
 
-def _tensor_layout(kv_cache_config: Any) -> tuple[Any, Geometry]:
-    """The one backing tensor and the kvpool geometry that matches it."""
-    tensors = kv_cache_config.kv_cache_tensors
-    if len(tensors) != 1 or len(kv_cache_config.kv_cache_groups) != 1:
-        raise NotImplementedError(
-            f"kvpool's vLLM plugin supports models with one KV cache group and one backing tensor; this model "
-            f"has {len(kv_cache_config.kv_cache_groups)} groups and {len(tensors)} tensors "
-            f"(unset KVPOOL_VLLM to run it without kvpool)")
-    t = tensors[0]
-    n, layers = int(kv_cache_config.num_blocks), len(t.layers)
-    page_bytes = int(os.environ.get("KVPOOL_VLLM_PAGE_BYTES", str(2 << 20)))
-    if t.offset != 0:
-        raise NotImplementedError(f"kvpool's vLLM plugin needs the KV tensor at offset 0, got {t.offset}")
-    if layers == 1 or t.layer_stride >= n * t.block_stride:  # layer-outermost
-        if layers > 1 and t.layer_stride != n * t.block_stride:
-            raise NotImplementedError(
-                f"padded layer stride {t.layer_stride} != {n} blocks x {t.block_stride} bytes is not supported")
-        g = Geometry(layers, 1, t.block_stride, n, page_bytes=page_bytes)
-    elif t.block_stride >= layers * t.layer_stride:  # block-outermost
-        g = Geometry(1, 1, t.block_stride, n, page_bytes=page_bytes)
-    else:
-        raise NotImplementedError(
-            f"interleaved KV layout (layer stride {t.layer_stride}, block stride {t.block_stride}) is not supported")
-    return t, g
-
-
 def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[KVSpace, dict[str, Any]] | None:
     if not kv_cache_configs:
         return None
@@ -418,7 +383,8 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[KVSpac
         raise NotImplementedError(
             f"kvpool's vLLM plugin supports one worker per engine, this one has {world} "
             f"(unset KVPOOL_VLLM to run it without kvpool)")
-    _, g = _tensor_layout(kv_cache_configs[0])
+    layout = space_layout(kv_cache_configs[0])
+    g = layout.geometry
     device = str(vllm_config.device_config.device_type)
     if device not in ("cpu", "cuda"):
         raise NotImplementedError(f"kvpool's vLLM plugin runs on cpu or cuda, not {device}")
@@ -436,7 +402,8 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[KVSpac
     try:
         # vLLM's own check saw the virtual capacity: judge what the pool can back.
         check_one_request_fits(space, max_model_len=int(vllm_config.model_config.max_model_len),
-                               block_size=block_size)
+                               block_size=block_size, num_groups=layout.num_groups,
+                               blocks_needed=blocks_per_request(vllm_config, kv_cache_configs[0]))
     except BaseException:
         space.close()  # leave the pool: a refused engine holds no share
         raise
@@ -451,6 +418,7 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[KVSpac
         setattr(cfg, _ATTR, handle)
     get_logger(pool=space.pool.name if space.pool else None, tenant=space.name).info(
         "vllm space created", num_blocks=g.num_blocks, num_layers=g.num_layers, block_bytes=g.block_bytes,
+        kv_cache_groups=layout.num_groups,
         page_bytes=g.page_bytes, device=device, pid=os.getpid())
     _log_start(space, block_size, int(vllm_config.model_config.max_model_len))
     return space, handle
@@ -478,28 +446,28 @@ def _log_start(space: KVSpace, block_size: int, max_model_len: int) -> None:
         _size(st.committed_bytes))
 
 
-def _views(kv_cache_config: Any, device: Any, layout: Any,
+def _views(kv_cache_config: Any, device: Any, kv_layout: Any,
            kernel_block_sizes: list[int] | None) -> dict[str, torch.Tensor]:
-    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
+    from vllm.v1.kv_cache_interface import create_kv_cache_views
 
     handle = getattr(kv_cache_config, _ATTR)
-    t, g = _tensor_layout(kv_cache_config)
+    layout = space_layout(kv_cache_config)
     same_process = handle["pid"] == os.getpid() and handle["fd"] in _spaces
     if same_process:
         raw = _spaces[handle["fd"]].memory()  # the space's own mapping
     else:
         raw = map_shared(SharedMemory(handle["pid"], handle["fd"], handle["size"]))
     get_logger().info("vllm worker views", owner_pid=handle["pid"], pid=os.getpid(), shared_file=not same_process,
-                      bytes=raw.numel(), layers=len(t.layers))
+                      bytes=raw.numel(), tensors=len(layout.placements), groups=layout.num_groups)
     raw = raw.view(torch.int8)
     if raw.device != torch.device(device):
         raise RuntimeError(f"the kvpool space lives on {raw.device}, vLLM's worker on {device}")
-    placed = dataclasses.replace(t, layer_stride=g.region_bytes, size=raw.numel()) if g.num_layers > 1 else t
-    group = kv_cache_config.kv_cache_groups[0]
-    spec = group.kv_cache_spec
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        spec = spec.kv_cache_specs[t.layers[0]]
-    kernel_block_size = kernel_block_sizes[0] if kernel_block_sizes else None
-    views = create_kv_cache_views(raw, spec, int(kv_cache_config.num_blocks), layout, placed,
-                                  kernel_block_size=kernel_block_size)
-    return dict(zip(t.layers, views))
+    views: dict[str, torch.Tensor] = {}
+    for placement in layout.placements:
+        kernel_block_size = None
+        if kernel_block_sizes is not None and placement.group < len(kernel_block_sizes):
+            kernel_block_size = kernel_block_sizes[placement.group]
+        views.update(zip(placement.tensor.layers, create_kv_cache_views(
+            raw, placement.spec, int(kv_cache_config.num_blocks), kv_layout,
+            view_tensor(layout, placement, raw.numel()), kernel_block_size=kernel_block_size)))
+    return views

@@ -41,11 +41,17 @@ def _blocks_within(space: KVSpace, budget_bytes: int) -> int:
     return max(0, sum(caps[:pages]) - (1 if space.null_block else 0))
 
 
-def check_one_request_fits(space: KVSpace, *, max_model_len: int, block_size: int, num_groups: int = 1) -> None:
+def check_one_request_fits(space: KVSpace, *, max_model_len: int, block_size: int, num_groups: int = 1,
+                           blocks_needed: int | None = None) -> None:
     """Raise ``ValueError`` (vLLM's own start-up refusal) if ``space`` can
-    never hold one ``max_model_len`` request; warn if its guarantee cannot."""
+    never hold one ``max_model_len`` request; warn if its guarantee cannot.
+
+    ``blocks_needed``: what one such request holds at once over all KV cache
+    groups (a sliding-window group keeps only its window); default: each of
+    ``num_groups`` groups holds the whole length."""
     g = space.geometry
-    per_request = blocks_per_request(max_model_len, block_size) * num_groups
+    per_request = (blocks_per_request(max_model_len, block_size) * num_groups if blocks_needed is None
+                   else blocks_needed)
     bytes_per_block = g.region_block_bytes * g.num_regions  # every layer of a block
     most = space.max_blocks()
     b = space.budget()

@@ -187,6 +187,103 @@ def the_block_pool_is_found_through_the_configs_handle_not_by_size() -> None:
     assert_stock(stock)
 
 
+# ------------------------------------------------------- the space's layout
+# (kvpool.adapters.vllm.layout) over KV cache configs as vLLM 0.32 builds them.
+
+def _attention(window: int | None = None) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    if window is None:
+        return FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    return SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16,
+                             sliding_window=window)
+
+
+def _config(num_blocks: int, tensors: list[Any], groups: list[tuple[list[str], Any]]) -> Any:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
+                         kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups])
+
+
+@check
+def hybrid_groups_of_two_layers_overlay_one_region_per_layer_slot() -> None:
+    # Gemma-2 style (alternating window / full), layer-outermost: each group's
+    # tensor holds its two layers in slots 0 and 1 of the same allocation.
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    from kvpool.adapters.vllm.layout import space_layout, view_tensor
+
+    n, page = 64, 8192
+    tensors = [KVCacheTensor(size=2 * n * page, layers=names, layer_stride=n * page, block_stride=page)
+               for names in (["l0", "l2"], ["l1", "l3"])]
+    cfg = _config(n, tensors, [(["l0", "l2"], _attention(64)), (["l1", "l3"], _attention())])
+    layout = space_layout(cfg, page_bytes=64 << 10)
+    g = layout.geometry
+    assert (g.num_layers, g.block_bytes, g.num_blocks) == (2, page, n), g
+    assert layout.layer_outermost and layout.num_groups == 2
+    assert [(p.group, p.first_region) for p in layout.placements] == [(0, 0), (1, 0)]
+    placed = view_tensor(layout, layout.placements[1], g.num_regions * g.region_bytes)
+    assert placed.layer_stride == g.region_bytes and placed.offset == 0 and placed.layers == ["l1", "l3"]
+
+
+@check
+def tensors_at_later_layer_slots_start_at_their_region() -> None:
+    # One group with two specs (vLLM places the second spec's layers after
+    # the first's): its second tensor starts at slot 2, region 2 of the space.
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    from kvpool.adapters.vllm.layout import space_layout, view_tensor
+
+    n, page = 48, 8192
+    tensors = [KVCacheTensor(size=3 * n * page, layers=["a", "b"], layer_stride=n * page, block_stride=page),
+               KVCacheTensor(size=3 * n * page, layers=["c"], layer_stride=3 * n * page, block_stride=page,
+                             offset=2 * n * page)]
+    cfg = _config(n, tensors, [(["a", "b"], _attention()), (["c"], _attention(32))])
+    layout = space_layout(cfg, page_bytes=64 << 10)
+    assert layout.geometry.num_layers == 3
+    assert [p.first_region for p in layout.placements] == [0, 2]
+    g = layout.geometry
+    assert view_tensor(layout, layout.placements[1], g.num_regions * g.region_bytes).offset == 2 * g.region_bytes
+
+
+@check
+def a_block_outermost_hybrid_is_one_region_of_whole_blocks() -> None:
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    from kvpool.adapters.vllm.layout import space_layout
+
+    n, page = 32, 8192
+    per_block = 2 * page  # two layer slots per block
+    tensors = [KVCacheTensor(size=n * per_block, layers=names, layer_stride=page, block_stride=per_block)
+               for names in (["l0", "l2"], ["l1", "l3"])]
+    cfg = _config(n, tensors, [(["l0", "l2"], _attention(64)), (["l1", "l3"], _attention())])
+    layout = space_layout(cfg, page_bytes=64 << 10)
+    g = layout.geometry
+    assert not layout.layer_outermost and (g.num_layers, g.block_bytes) == (1, per_block), g
+
+
+@check
+def a_mamba_layer_is_refused_naming_its_spec() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheTensor, MambaSpec
+
+    from kvpool.adapters.vllm.layout import space_layout
+
+    mamba = MambaSpec(block_size=32, shapes=((4, 64),), dtypes=(torch.bfloat16,))
+    n = 16
+    tensors = [KVCacheTensor(size=n * 8192, layers=["attn"], layer_stride=n * 8192, block_stride=8192),
+               KVCacheTensor(size=n * 8192, layers=["ssm"], layer_stride=n * 8192, block_stride=8192)]
+    cfg = _config(n, tensors, [(["attn"], _attention()), (["ssm"], mamba)])
+    try:
+        space_layout(cfg, page_bytes=64 << 10)
+    except NotImplementedError as e:
+        assert "MambaSpec layers (ssm)" in str(e) and "unset KVPOOL_VLLM" in str(e), e
+    else:
+        raise AssertionError("a Mamba layer must be refused")
+
+
 def main() -> None:
     # Imported up front, as a worker process has them: the table's
     # "if imported" points are then patched and checked too.

@@ -5,7 +5,7 @@ Used by tests/test_adapter_vllm.py and `kvpool bench engines`. The plugin is
 on when the environment says so (``KVPOOL_VLLM=1``); this script never
 imports kvpool's adapters itself, so it measures vLLM as an operator runs it.
 
-CONFIG keys: model, phases (list of {prompts: [[token ids]], max_tokens,
+CONFIG keys: model, dtype (default bfloat16), phases (list of {prompts: [[token ids]], max_tokens,
 limit_bytes?, sleep_s?, wait_file?, done_file?, barrier?}), prefix_caching,
 kv_cache_memory_bytes, max_num_seqs, block_size, max_model_len, in_process
 (bool), tenant (for limits), pool (sampled every few ms when set),
@@ -54,7 +54,7 @@ def main() -> None:
 
     t0 = time.monotonic()
     llm = LLM(
-        model=cfg["model"], dtype="bfloat16", block_size=cfg.get("block_size", 32),
+        model=cfg["model"], dtype=cfg.get("dtype", "bfloat16"), block_size=cfg.get("block_size", 32),
         max_model_len=cfg.get("max_model_len", 1024), kv_cache_memory_bytes=cfg.get("kv_cache_memory_bytes", 64 << 20),
         distributed_executor_backend="uni" if cfg.get("in_process", True) else None,
         enable_prefix_caching=cfg.get("prefix_caching", False), enforce_eager=True, seed=0,

@@ -23,10 +23,10 @@ CORPUS = [
 ] * 50
 
 
-def build(out: pathlib.Path, max_positions: int = 2048) -> None:
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def save_tokenizer(out: pathlib.Path) -> None:
+    """A byte-level BPE of 512 tokens trained on CORPUS (ids 0-2: unk, bos, eos)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -34,11 +34,16 @@ def build(out: pathlib.Path, max_positions: int = 2048) -> None:
     trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
-    from tokenizers import decoders
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out)
 
+
+def build(out: pathlib.Path, max_positions: int = 2048) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    save_tokenizer(out)
     torch.manual_seed(1234)
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=max_positions,

