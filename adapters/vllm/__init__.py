@@ -27,9 +27,10 @@ Optional settings: ``KVPOOL_VLLM_PAGE_BYTES`` (commit unit per layer,
 default 2 MiB), ``KVPOOL_VLLM_TENANT`` (the tenant name, default
 ``vllm-<pid>``) and ``KVPOOL_VLLM_IDLE_RELEASE_S`` (how long emptied pages
 above the reserve stay committed while no other tenant waits, default 1 s;
-0: they go back as they empty; see ``KVSpace(idle_release_s=)``). Supported: models with one full-attention KV cache group
-(one KV backing tensor), on CPU (both process modes) and on CUDA with the
-worker in the engine-core process.
+0: they go back as they empty; see ``KVSpace(idle_release_s=)``). Supported: attention KV caches in one or several
+groups (full attention, sliding-window hybrids; :mod:`.layout`), one worker
+per engine, on CPU (both process modes) and on CUDA with the worker in the
+engine-core process.
 """
 
 from __future__ import annotations
