@@ -15,7 +15,12 @@ import pathlib
 import random
 import subprocess
 import uuid
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
+
+from kvpool import Pool
 
 HERE = pathlib.Path(__file__).parent / "vllm_support"
 VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
@@ -23,6 +28,23 @@ PAGE = 64 << 10
 UNIT = 2 * PAGE  # committed bytes per kvpool page of the tiny Llama (two layers)
 LENGTHS = (5, 17, 40, 90, 150, 33, 64, 120, 8, 200)
 MAX_TOKENS = 96
+
+
+def require_vllm() -> None:
+    """At a test module's top: skip it without the vLLM venv, fail under
+    KVPOOL_REQUIRE_VLLM=1 (scripts/test.sh) if the venv is missing."""
+    if not VLLM_PYTHON:
+        if os.environ.get("KVPOOL_REQUIRE_VLLM") == "1":
+            raise RuntimeError("KVPOOL_REQUIRE_VLLM=1 but KVPOOL_VLLM_PYTHON is not set (run scripts/test.sh)")
+        pytest.skip("set KVPOOL_VLLM_PYTHON to a vLLM venv's python (scripts/test.sh does)", allow_module_level=True)
+
+
+@pytest.fixture
+def pool_name() -> Iterator[str]:
+    """A private pool name for one test, its ledger removed after."""
+    name = f"test-vllm-{uuid.uuid4().hex[:8]}"
+    yield name
+    Pool.remove(name)
 
 
 def prompts(seed: int, lengths: tuple[int, ...] = LENGTHS) -> list[list[int]]:

@@ -14,12 +14,9 @@ timestamps: a loaded machine changes how long things take, not their order.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import random
 import re
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -29,16 +26,13 @@ import pytest
 
 from kvpool import Geometry, KVSpace, Pool, PoolExhausted
 
-from ._vllm_engines import (HERE, MAX_TOKENS, PAGE, UNIT, VLLM_PYTHON, build_model, committed, finish, phase,
-                            prompts, run_engine)
+from ._vllm_engines import (HERE, UNIT, VLLM_PYTHON, build_model, committed, finish, phase, pool_name, prompts,
+                            require_vllm, run_engine)  # pool_name: a fixture
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]  # real engines start in child processes
 
 
-if not VLLM_PYTHON:
-    if os.environ.get("KVPOOL_REQUIRE_VLLM") == "1":
-        raise RuntimeError("KVPOOL_REQUIRE_VLLM=1 but KVPOOL_VLLM_PYTHON is not set (run scripts/test.sh)")
-    pytest.skip("set KVPOOL_VLLM_PYTHON to a vLLM venv's python (scripts/test.sh does)", allow_module_level=True)
+require_vllm()
 
 
 PROMPTS = prompts(0)
@@ -59,13 +53,6 @@ def reference(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict
     res = run_engine(tmp, {"model": tiny_model, "phases": [phase(PROMPTS), phase(PROMPTS_2)]}, plugin=False)
     assert not [e for e in res["events"] if e.get("event", "").startswith("vllm ")]  # really without kvpool
     return {"p1": res["phases"][0]["tokens"], "p2": res["phases"][1]["tokens"]}
-
-
-@pytest.fixture
-def pool_name() -> Any:
-    name = f"test-vllm-{uuid.uuid4().hex[:8]}"
-    yield name
-    Pool.remove(name)
 
 
 # ------------------------------------------------ the BlockPool contract, unit level

@@ -20,23 +20,18 @@ runs agree.
 
 from __future__ import annotations
 
-import os
 import pathlib
-import uuid
-from typing import Any
 
 import pytest
 
 from kvpool import Pool
 
-from ._vllm_engines import MAX_TOKENS, PAGE, VLLM_PYTHON, build_model, committed, phase, prompts, run_engine
+from ._vllm_engines import (MAX_TOKENS, PAGE, build_model, committed, phase, pool_name, prompts,  # pool_name: a fixture
+                            require_vllm, run_engine)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-if not VLLM_PYTHON:
-    if os.environ.get("KVPOOL_REQUIRE_VLLM") == "1":
-        raise RuntimeError("KVPOOL_REQUIRE_VLLM=1 but KVPOOL_VLLM_PYTHON is not set (run scripts/test.sh)")
-    pytest.skip("set KVPOOL_VLLM_PYTHON to a vLLM venv's python (scripts/test.sh does)", allow_module_level=True)
+require_vllm()
 
 UNIT = PAGE  # one region: a commit is one page
 BLOCK = 16 << 10  # 32 tokens x 2 KV heads x 32 x float32, K and V
@@ -59,13 +54,6 @@ def reference(gemma: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     res = run_engine(tmp_path_factory.mktemp("gemma-reference"),
                      {"model": gemma, **ENGINE, "phases": [phase(PROMPTS), phase(PROMPTS_2)]}, plugin=False)
     return {"p1": res["phases"][0]["tokens"], "p2": res["phases"][1]["tokens"]}
-
-
-@pytest.fixture
-def pool_name() -> Any:
-    name = f"test-vllm-hybrid-{uuid.uuid4().hex[:8]}"
-    yield name
-    Pool.remove(name)
 
 
 def test_the_reference_depends_on_the_prompt(reference: dict[str, list[list[int]]]) -> None:

@@ -18,23 +18,17 @@ they depend on timing in stock vLLM too.
 
 from __future__ import annotations
 
-import os
 import pathlib
-import uuid
-from typing import Any
 
 import pytest
 
 from kvpool import Pool
 
-from ._vllm_engines import MAX_TOKENS, VLLM_PYTHON, build_model, committed, phase, prompts, run_engine
+from ._vllm_engines import MAX_TOKENS, build_model, committed, phase, pool_name, prompts, require_vllm, run_engine  # pool_name: a fixture
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-if not VLLM_PYTHON:
-    if os.environ.get("KVPOOL_REQUIRE_VLLM") == "1":
-        raise RuntimeError("KVPOOL_REQUIRE_VLLM=1 but KVPOOL_VLLM_PYTHON is not set (run scripts/test.sh)")
-    pytest.skip("set KVPOOL_VLLM_PYTHON to a vLLM venv's python (scripts/test.sh does)", allow_module_level=True)
+require_vllm()
 
 BLOCK = 16 * 576 * 2  # 16 tokens x 576 latent values x bf16
 PAGE = 4 * BLOCK
@@ -60,13 +54,6 @@ def reference(deepseek: str, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     # equal whatever the KV cache held.
     assert all(len(o) == MAX_TOKENS for o in outs) and len({tuple(o) for o in outs}) == len(outs)
     return {"p1": res["phases"][0]["tokens"], "p2": res["phases"][1]["tokens"]}
-
-
-@pytest.fixture
-def pool_name() -> Any:
-    name = f"test-vllm-mla-{uuid.uuid4().hex[:8]}"
-    yield name
-    Pool.remove(name)
 
 
 def test_an_mla_engine_is_elastic_and_identical_to_stock(

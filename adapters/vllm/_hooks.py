@@ -68,9 +68,9 @@ from kvpool import KVSpace, Pool, SharedMemory, map_shared
 from kvpool.pool import default_pool_name
 from kvpool.tracing import get_logger
 
-from .admission import check_one_request_fits
+from .admission import blocks_per_request_in_groups, check_one_request_fits
 from .block_pool import KVPoolBlockPool
-from .layout import blocks_per_request, space_layout, view_tensor
+from .layout import space_layout, view_tensor
 
 __all__ = ["ALLOW_UNTESTED_ENV", "PATCHES", "TESTED", "PatchPoint", "UnsupportedVLLM", "install", "installed",
            "uninstall"]
@@ -403,7 +403,7 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[KVSpac
         # vLLM's own check saw the virtual capacity: judge what the pool can back.
         check_one_request_fits(space, max_model_len=int(vllm_config.model_config.max_model_len),
                                block_size=block_size, num_groups=layout.num_groups,
-                               blocks_needed=blocks_per_request(vllm_config, kv_cache_configs[0]))
+                               blocks_needed=blocks_per_request_in_groups(vllm_config, kv_cache_configs[0]))
     except BaseException:
         space.close()  # leave the pool: a refused engine holds no share
         raise

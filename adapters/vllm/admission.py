@@ -17,15 +17,26 @@ tenants join and leave, so refusing on it would refuse engines that work.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvpool import KVSpace
 from kvpool.tracing import get_logger
 
-__all__ = ["blocks_per_request", "check_one_request_fits"]
+__all__ = ["blocks_per_request", "blocks_per_request_in_groups", "check_one_request_fits"]
 
 
 def blocks_per_request(max_model_len: int, block_size: int) -> int:
     """Blocks one ``max_model_len`` request needs in a full-attention group."""
     return -(-max_model_len // block_size)
+
+
+def blocks_per_request_in_groups(vllm_config: Any, kv_cache_config: Any) -> int:
+    """Blocks one ``max_model_len`` request holds at once, all KV cache
+    groups together, by each group's own spec (vLLM's figure: a
+    sliding-window group keeps its window, a full-attention group the whole
+    length)."""
+    return sum(-(-int(g.kv_cache_spec.max_memory_usage_bytes(vllm_config)) // int(g.kv_cache_spec.page_size_bytes))
+               for g in kv_cache_config.kv_cache_groups)
 
 
 def _mib(n: int) -> str:

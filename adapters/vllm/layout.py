@@ -42,7 +42,7 @@ from typing import Any
 
 from kvpool import Geometry
 
-__all__ = ["Placement", "SpaceLayout", "blocks_per_request", "space_layout"]
+__all__ = ["Placement", "SpaceLayout", "space_layout", "view_tensor"]
 
 _DEFAULT_PAGE_BYTES = 2 << 20
 
@@ -146,13 +146,3 @@ def view_tensor(layout: SpaceLayout, placement: Placement, raw_bytes: int) -> An
     return dataclasses.replace(t, size=raw_bytes, offset=placement.first_region * g.region_bytes,
                                layer_stride=g.region_bytes)
 
-
-def blocks_per_request(vllm_config: Any, kv_cache_config: Any) -> int:
-    """Blocks one ``max_model_len`` request can hold at once, all groups
-    together: each group's spec says what it keeps (a sliding window keeps
-    its window, a full-attention group the whole length)."""
-    total = 0
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        total += -(-int(spec.max_memory_usage_bytes(vllm_config)) // int(spec.page_size_bytes))
-    return total

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from tiny_llama import save_tokenizer
+from tiny_llama import save_model, save_tokenizer
 
 
 def build(out: pathlib.Path) -> None:
@@ -29,10 +29,7 @@ def build(out: pathlib.Path) -> None:
         first_k_dense_replace=2, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
         torch_dtype="bfloat16", tie_word_embeddings=False, rope_scaling=None,
         initializer_range=0.2)  # as in tiny_gemma3.py: greedy output that depends on the prompt
-    model = DeepseekV2ForCausalLM(cfg)
-    with torch.no_grad():  # wide logit margins, as in tiny_llama.py
-        model.lm_head.weight.normal_(0.0, 1.0)
-    model.to(torch.bfloat16).save_pretrained(out)
+    save_model(DeepseekV2ForCausalLM(cfg), out)
 
 
 if __name__ == "__main__":

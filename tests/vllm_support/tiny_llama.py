@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+from typing import Any
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -39,6 +40,21 @@ def save_tokenizer(out: pathlib.Path) -> None:
     fast.save_pretrained(out)
 
 
+def save_model(model: Any, out: pathlib.Path) -> None:
+    """Widen the model's logit margins and save it in bf16.
+
+    Wide logit margins: with the default init (std 0.02) the top two logits
+    of a random model sit within bf16 rounding of each other, so greedy
+    tokens would depend on batch composition (kernel reduction order), not
+    on the KV cache. The tests compare runs whose batches differ.
+    """
+    import torch
+
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 1.0)
+    model.to(torch.bfloat16).save_pretrained(out)
+
+
 def build(out: pathlib.Path, max_positions: int = 2048) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -48,15 +64,7 @@ def build(out: pathlib.Path, max_positions: int = 2048) -> None:
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=max_positions,
                       bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    # Wide logit margins: with the default init (std 0.02) the top two logits
-    # of a random model sit within bf16 rounding of each other, so greedy
-    # tokens would depend on batch composition (kernel reduction order), not
-    # on the KV cache. The tests compare runs whose batches differ.
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 1.0)
-    model = model.to(torch.bfloat16)
-    model.save_pretrained(out)
+    save_model(LlamaForCausalLM(cfg), out)
     (out / "kvpool-tiny.json").write_text(json.dumps({"built": True}))
 
 
