@@ -13,9 +13,12 @@ import json
 import os
 import pathlib
 import random
+import socket
 import subprocess
+import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -45,6 +48,22 @@ def pool_name() -> Iterator[str]:
     name = f"test-vllm-{uuid.uuid4().hex[:8]}"
     yield name
     Pool.remove(name)
+
+
+def wait_listening(port: int, alive: Callable[[], bool], log: Callable[[], str]) -> None:
+    """Until a connect to a starting OpenAI server succeeds. uvicorn logs
+    "Application startup complete" before it listens on the socket vLLM bound
+    for it, so a connect in between is refused: wait for the listen, or fail
+    when the server exits (or has not listened in 300 s)."""
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=10).close()
+            return
+        except ConnectionRefusedError:
+            assert alive(), "the server exited while starting:\n" + log()[-8000:]
+            assert time.monotonic() < deadline, f"port {port} never listened:\n" + log()[-8000:]
+            threading.Event().wait(0.05)
 
 
 def prompts(seed: int, lengths: tuple[int, ...] = LENGTHS) -> list[list[int]]:

@@ -31,6 +31,8 @@ import pytest
 
 from kvpool import Pool
 
+from ._vllm_engines import wait_listening
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 HERE = pathlib.Path(__file__).parent / "vllm_support"
@@ -78,7 +80,6 @@ class Server:
         self.port = _free_port()
         self.model = model
         self.lines: list[str] = []
-        self.refused = 0  # connects refused and retried (see complete)
         self._changed = threading.Condition()
         self._ended = False
         self.proc = subprocess.Popen(
@@ -105,27 +106,19 @@ class Server:
         with self._changed:
             self._changed.wait_for(lambda: self._ended or any(READY in line for line in self.lines))
             assert not self._ended, "the server exited while starting:\n" + "\n".join(self.lines[-60:])
+        wait_listening(self.port, lambda: self.proc.poll() is None, self.log)
+
+    def log(self) -> str:
+        with self._changed:
+            return "\n".join(self.lines)
 
     def complete(self, prompt: list[int]) -> str:
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
                            "ignore_eos": True}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
-        for attempt in range(20):
-            try:
-                with urllib.request.urlopen(req, timeout=600) as r:
-                    out: dict[str, Any] = json.loads(r.read())
-                break
-            except urllib.error.URLError as e:
-                # Seen once in this sandbox under load: a few of 20 simultaneous
-                # connects refused by a server that was up and serving the rest
-                # (cause not found). A client retries a refused connect; the
-                # request itself was never received, so it is not sent twice.
-                if not isinstance(e.reason, ConnectionRefusedError) or attempt == 19:
-                    raise
-                self.refused += 1
-                threading.Event().wait(0.05 * (attempt + 1))
-
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out: dict[str, Any] = json.loads(r.read())
         assert out["usage"]["completion_tokens"] == MAX_TOKENS, out
         return str(out["choices"][0]["text"])
 

@@ -48,6 +48,8 @@ import pytest
 from kvpool import Pool, list_pools
 from kvpool.pool import backing_memory
 
+from ._vllm_engines import wait_listening
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "docs" / "serving-several-models.md"
 ENGINE = pathlib.Path(__file__).with_name("_recipe_engine.py")
@@ -180,6 +182,9 @@ class Recipe:
             self._changed.wait_for(lambda: self.servers.poll() is not None  # type: ignore[union-attr]
                                    or sum(READY in ln for ln in self.server_lines) == 2)
             assert self.servers.poll() is None, "a server exited while starting:\n" + self.server_log()[-8000:]
+        for tenant in ("chat", "code"):
+            wait_listening(self.port_of(tenant), lambda: self.servers is not None and self.servers.poll() is None,
+                           self.server_log)
 
     def _read_servers(self) -> None:
         assert self.servers is not None and self.servers.stdout is not None
