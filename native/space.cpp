@@ -199,7 +199,12 @@ int64_t Space::max_blocks() {
 void Space::refresh_budget_locked() {
     if (!budget_.stale()) return;
     budget_.refresh();
+    act_on_budget_locked();
+}
 
+// The budget's verdicts may have changed (a refresh, or this tenant's own
+// limit or guarantee, whose write refreshes the budget itself): act on them.
+void Space::act_on_budget_locked() {
     // Pressure (another tenant waits, or this one lends) makes the whole
     // idle excess surplus now: it all goes back, even if the waiter is
     // served (and stops waiting) before the last of it is released.
@@ -308,10 +313,7 @@ Status Space::set_limit(int64_t bytes, int64_t revision, LimitResult* result) {
     if (closed_) return Status::make(Code::Closed, "space is closed");
     Status s = budget_.set_limit(bytes, revision, result);
     if (!s.is_ok() || *result != LimitResult::Applied) return s;
-    commit_retry_at_ = {};
-    if (cfg_.reserve_thread) cv_.notify_all();
-    else release_inline_locked();
-    report_locked();
+    act_on_budget_locked();  // gives pages back above a lowered limit
     signal_eventfd();  // a raised limit is new capacity for whoever waits
     return Status::ok();
 }
@@ -323,7 +325,11 @@ Status Space::set_guarantee(int64_t bytes, int64_t revision, LimitResult* result
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) return Status::make(Code::Closed, "space is closed");
     Status s = budget_.set_guarantee(bytes, revision, result);
-    if (s.is_ok() && *result == LimitResult::Applied) signal_eventfd();
+    if (!s.is_ok() || *result != LimitResult::Applied) return s;
+    // A lowered guarantee can make this tenant lend: its idle pages go back
+    // now, as when another tenant's change makes it lend.
+    act_on_budget_locked();
+    signal_eventfd();
     return s;
 }
 

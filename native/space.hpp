@@ -146,6 +146,7 @@ private:
     int64_t available_locked() const;
     int64_t max_blocks_locked() const;
     void refresh_budget_locked();
+    void act_on_budget_locked();
     void report_locked();
     void note_want_locked(int64_t pages);
     Status shortage_locked(int64_t n, const std::string& why, int64_t* available);

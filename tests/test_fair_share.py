@@ -502,6 +502,35 @@ def test_waiters_are_granted_furthest_below_their_guarantee_first(equal: bool, p
             s.close()
 
 
+def test_a_tenant_whose_own_lowered_guarantee_makes_it_lend_gives_its_idle_pages_back_at_once(
+        pool_name: str) -> None:
+    # Regression (found by test_budget_stateful under load): a tenant's own
+    # set_guarantee refreshed its budget itself, so the space never acted on
+    # the new verdict: it lent (refused its own allocs) yet kept its idle
+    # reserve pages while a tenant below its guarantee waited for them.
+    pool = Pool(pool_name, capacity=POOL_PAGES * PCB)
+    lender = KVSpace(G, pool=pool, name="l", reserve_thread=False, reserve=(0, 2), guarantee_bytes=6 * PCB)
+    w = _space(pool, "w")  # the default share: the 2 pages l's guarantee leaves
+    try:
+        ids = lender.alloc(6 * BPP)
+        lender.free(ids[: 2 * BPP])  # 4 pages in use, 2 kept idle (the reserve's max)
+        w_ids = w.alloc(2 * BPP)  # the pool is full
+        with pytest.raises(PoolExhausted):
+            w.alloc(1)
+        w.report_waiting(1)  # at its guarantee: nobody owes it anything yet
+        assert not lender.budget().lending and lender.stats().pages_reserve == 2
+        lender.set_guarantee(None)  # equal shares, 4 pages each: w waits below its own, l holds 6: l lends
+        # Both idle pages went back with the change itself (which ends the
+        # lending: l is back at its share).
+        assert lender.stats().pages_reserve == 0
+        assert lender.budget().claimed_bytes == 4 * PCB and not lender.budget().lending
+        assert len(w.alloc(2 * BPP)) == 2 * BPP  # and serve the waiter
+        w.free(w_ids)
+    finally:
+        w.close()
+        lender.close()
+
+
 # =============================================================================
 # 4. Bugs found while writing these tests (xfail(strict=True): the branch stays
 #    green; a fix turns them into failures that ask for the marker's removal).
