@@ -73,6 +73,9 @@ public:
     // The most pages this tenant can ever hold: min(limit, capacity) (-1 = no bound).
     int64_t max_pages() const;
     bool lending() const { return lending_; }
+    // Another tenant waits below its guarantee: idle pages are a luxury then,
+    // and every tenant gives its reserve back (rule 1 of DESIGN "Fair share").
+    bool starving() const { return starving_; }
     // Another tenant of the pool waits for memory: idle pages above the
     // reserve's max go back at once rather than after the idle interval.
     bool others_waiting() const { return others_waiting_; }

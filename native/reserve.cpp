@@ -24,7 +24,13 @@
 
 namespace kvpool {
 
-int64_t Space::reserve_target_max_locked() const { return budget_.lending() ? 0 : cfg_.reserve_max; }
+// While lending, or while another tenant waits below its guarantee, no idle
+// page is kept: pages no block uses are what such a waiter may need to reach
+// its guarantee (or one request's worth above it), and a tenant within its
+// own guarantee keeps every page it uses, never its idle ones.
+int64_t Space::reserve_target_max_locked() const {
+    return budget_.lending() || budget_.starving() ? 0 : cfg_.reserve_max;
+}
 
 // Idle pages above the reserve's max go back now, not after the idle
 // interval: another tenant waits (or this one lends), or no interval is set.
@@ -53,7 +59,7 @@ Space::ThreadWork Space::thread_work_locked(std::chrono::steady_clock::time_poin
                             table_.count(PageState::Active) + n_reserve + table_.count(PageState::Committing) > lim;
     const bool excess = n_reserve > reserve_target_max_locked();
     w.want_release = over_limit || (excess && (idle_surplus_ > 0 || release_pressed_locked()));
-    const int64_t target_min = budget_.lending() ? 0 : cfg_.reserve_min;
+    const int64_t target_min = budget_.lending() || budget_.starving() ? 0 : cfg_.reserve_min;
     w.want_commit = table_.idle() < target_min && !table_.free_by_cap().empty() && budget_.room_pages() > 0;
     w.release_now = w.want_release && now >= release_retry_at_;
     w.commit_now = w.want_commit && now >= commit_retry_at_;

@@ -102,12 +102,39 @@ def run_engine(tmp: pathlib.Path, cfg: dict[str, Any], *, plugin: bool, pool: st
     return finish(proc, out_path)
 
 
-def finish(proc: subprocess.Popen[str], out_path: pathlib.Path) -> dict[str, Any]:
-    stdout, stderr = proc.communicate(timeout=400)
+def finish(proc: subprocess.Popen[str], out_path: pathlib.Path, timeout: float = 400) -> dict[str, Any]:
+    """The engine's report once it exits. The timeout only turns a hang into
+    a failure that shows the engine's last words."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the engine did not end in {timeout} s:\n{stderr[-6000:]}") from None
     assert proc.returncode == 0, stderr[-4000:]
     result: dict[str, Any] = json.loads(out_path.read_text())
-    result["events"] = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    result["events"] = events(stderr)
     return result
+
+
+def events(stderr: str) -> list[dict[str, Any]]:
+    """kvpool's JSON log events in an engine's stderr. The ranks of a TP
+    engine write to the same stderr, each event and its newline in two
+    writes, so one line may hold several events (or another rank's text
+    after one)."""
+    decoder, out = json.JSONDecoder(), []
+    for line in stderr.splitlines():
+        i = line.find("{")
+        while i >= 0:
+            try:
+                obj, end = decoder.raw_decode(line, i)
+            except json.JSONDecodeError:
+                i = line.find("{", i + 1)
+                continue
+            if isinstance(obj, dict) and "event" in obj:
+                out.append(obj)
+            i = line.find("{", end)
+    return out
 
 
 def phase(prompts: list[list[int]], **more: Any) -> dict[str, Any]:
@@ -115,4 +142,42 @@ def phase(prompts: list[list[int]], **more: Any) -> dict[str, Any]:
 
 
 def committed(res: dict[str, Any]) -> list[int]:
-    return [mine for _, _, mine in res["samples"]]
+    return [mine for _, _, mine, _ in res["samples"]]
+
+
+Samples = list[tuple[float, int, dict[str, int]]]  # (time, pool committed, per tenant)
+
+
+def run_together(tmp: pathlib.Path, pool: Pool, engines: dict[str, dict[str, Any]],
+                 env_extra: dict[str, str] | None = None, timeout: float = 400) -> tuple[list[Any], Samples]:
+    """Start engines (tenant name -> config) in their own processes, release
+    them together once all are ready, and sample the ledger until they end."""
+    go = tmp / "go"
+    samples: Samples = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append((time.monotonic(), pool.committed, {t.name: t.committed_bytes for t in pool.tenants()}))
+            time.sleep(0.003)
+
+    procs = [run_engine(tmp, dict(cfg, ready_file=str(tmp / f"ready-{name}"), go_file=str(go)), plugin=True,
+                        pool=pool.name, tenant=name, wait=False, env_extra=env_extra) for name, cfg in engines.items()]
+    sampler = threading.Thread(target=sample, daemon=True)
+    try:
+        # An engine that dies fails here; one that hangs, in the test's timeout.
+        while not all((tmp / f"ready-{n}").exists() for n in engines):
+            dead = [p for p, _ in procs if p.poll() is not None]
+            assert not dead, "an engine died while starting: " + dead[0].communicate()[1][-4000:]
+            time.sleep(0.05)
+        sampler.start()
+        go.touch()
+        results = [finish(p, out, timeout) for p, out in procs]
+    finally:
+        stop.set()
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert samples
+    return results, samples

@@ -17,17 +17,15 @@ import json
 import pathlib
 import re
 import subprocess
-import threading
 import time
 import uuid
-from typing import Any
 
 import pytest
 
 from kvpool import Geometry, KVSpace, Pool, PoolExhausted
 
 from ._vllm_engines import (HERE, UNIT, VLLM_PYTHON, build_model, committed, finish, phase, pool_name, prompts,
-                            require_vllm, run_engine)  # pool_name: a fixture
+                            require_vllm, run_engine, run_together)  # pool_name: a fixture
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]  # real engines start in child processes
 
@@ -118,7 +116,8 @@ def test_capped_pool_grows_and_shrinks_with_identical_outputs(
     # Emptied pages go back as they empty (no idle interval): the fall between
     # the phases must not wait for the default 1 s interval to pass inside
     # the 0.3 s pause (the interval itself: tests/test_hot_path.py).
-    res = run_engine(tmp_path, {"model": tiny_model, "prefix_caching": prefix_caching, "phases": phases},
+    res = run_engine(tmp_path, {"model": tiny_model, "prefix_caching": prefix_caching, "phases": phases,
+                                "shutdown_check": True},
                      plugin=True, pool=pool_name, tenant="capped", env_extra={"KVPOOL_VLLM_IDLE_RELEASE_S": "0"})
     assert res["phases"][0]["tokens"] == reference["p1"]
     assert res["phases"][1]["tokens"] == reference["p2"]
@@ -130,43 +129,7 @@ def test_capped_pool_grows_and_shrinks_with_identical_outputs(
     # go back) or under the lowered limit (cache: whole cached pages evicted).
     after_peak = c[c.index(peak):]
     assert min(after_peak) <= peak - 2 * UNIT
-
-
-Samples = list[tuple[float, int, dict[str, int]]]  # (time, pool committed, per tenant)
-
-
-def run_together(tmp: pathlib.Path, pool: Pool, engines: dict[str, dict[str, Any]]) -> tuple[list[Any], Samples]:
-    """Start engines (tenant name -> config) in their own processes, release
-    them together once all are ready, and sample the ledger until they end."""
-    go = tmp / "go"
-    samples: Samples = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            samples.append((time.monotonic(), pool.committed, {t.name: t.committed_bytes for t in pool.tenants()}))
-            time.sleep(0.003)
-
-    procs = [run_engine(tmp, dict(cfg, ready_file=str(tmp / f"ready-{name}"), go_file=str(go)), plugin=True,
-                        pool=pool.name, tenant=name, wait=False) for name, cfg in engines.items()]
-    sampler = threading.Thread(target=sample, daemon=True)
-    try:
-        # An engine that dies fails here; one that hangs, in the test's timeout.
-        while not all((tmp / f"ready-{n}").exists() for n in engines):
-            dead = [p for p, _ in procs if p.poll() is not None]
-            assert not dead, "an engine died while starting: " + dead[0].communicate()[1][-4000:]
-            time.sleep(0.05)
-        sampler.start()
-        go.touch()
-        results = [finish(p, out) for p, out in procs]
-    finally:
-        stop.set()
-        for p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    assert samples
-    return results, samples
+    assert res["tenants_after_shutdown"] == []  # the engine's shutdown left the pool (UniProcExecutor)
 
 
 def test_two_engines_in_two_processes_share_one_pool(

@@ -531,6 +531,36 @@ def test_a_tenant_whose_own_lowered_guarantee_makes_it_lend_gives_its_idle_pages
         lender.close()
 
 
+def test_a_tenant_within_its_guarantee_gives_its_idle_pages_to_a_tenant_waiting_below_its_own(
+        pool_name: str) -> None:
+    # Regression (seen with a hybrid vLLM engine beside an idle TP=2 one):
+    # under pressure only idle pages above the reserve's max went back, so a
+    # neighbour within its guarantee kept its reserve idle while a tenant
+    # below its guarantee waited for a request that needed those pages, for
+    # as long as the neighbour stayed idle (forever, there).
+    pool = Pool(pool_name, capacity=POOL_PAGES * PCB)
+    idle = KVSpace(G, pool=pool, name="idle", reserve_thread=False, reserve=(0, 2))
+    w = _space(pool, "w")
+    try:
+        ids = idle.alloc(3 * BPP)
+        idle.free(ids[: 2 * BPP])  # 1 page in use, 2 idle (its reserve's max); 3 pages < its share of 4
+        w_ids = w.alloc(3 * BPP)  # 3 pages; 2 free in the pool
+        with pytest.raises(PoolExhausted):
+            w.alloc(4 * BPP)  # one request of 4 pages: w would hold 7, more than its share, but
+        assert idle.stats().pages_reserve == 2  # (nobody waits yet: idle keeps its reserve)
+        w.free(w_ids[: 2 * BPP])  # w, now 1 page, below its share, still wants 4 pages; 4 are free
+        with pytest.raises(PoolExhausted):
+            w.alloc(5 * BPP)  # 5 pages: within what idle leaves idle, not within what is free
+        w.report_waiting(1)
+        assert not idle.budget().lending  # idle is within its guarantee: it lends nothing it uses...
+        assert idle.stats().pages_reserve == 0  # ...but keeps no idle page while w waits below its own
+        assert len(w.alloc(5 * BPP)) == 5 * BPP
+        w.report_waiting(0)
+    finally:
+        w.close()
+        idle.close()
+
+
 # =============================================================================
 # 4. Bugs found while writing these tests (xfail(strict=True): the branch stays
 #    green; a fix turns them into failures that ask for the marker's removal).

@@ -23,8 +23,10 @@ The points, in the order they act:
    worker allocates): create the KV space for the config vLLM computed,
    refuse to start if the pool can never hold one ``max_model_len`` request
    (:mod:`.admission`, vLLM's own wording), and attach the handle to its
-   memory (``kvpool_memory``) to every worker's ``KVCacheConfig``.
-   ``Executor.shutdown`` closes the space after the workers are gone.
+   memory (``kvpool_memory``, with the rank's first region) to every rank's
+   ``KVCacheConfig``: one space for all ranks of a TP/PP engine.
+   The executors' ``shutdown`` (``UniProcExecutor``, ``MultiprocExecutor``)
+   closes the space after the workers are gone.
 2. ``EngineCore._initialize_kv_caches``: the scheduler's ``KVCacheConfig``
    is a deep copy taken before (1); attach the same handle to it.
 3. ``allocate_kv_cache`` (worker; also under the name
@@ -38,7 +40,9 @@ The points, in the order they act:
 5. ``Scheduler.schedule``: each step starts with the block pool's budget
    check (no prefix-cache lookup is pending then); with async scheduling it
    also turns on vLLM's deferred block free, so a page is never released
-   under a step still in flight.
+   under a step still in flight. ``KVCacheManager.allocate_slots``: a
+   ``None`` (a request the free count does not cover) marks the engine
+   short for the next check.
 6. ``EngineCoreProc._process_input_queue`` (the engine-core process of a
    server): while it idles, its input queue wakes every ``IDLE_POLL_S`` so
    the block pool can give cached pages back to a pool that wants them, on
@@ -51,6 +55,7 @@ groups overlay each other, as in vLLM) is :mod:`.layout`'s concept.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import logging
@@ -70,7 +75,7 @@ from kvpool.tracing import get_logger
 
 from .admission import blocks_per_request_in_groups, check_one_request_fits
 from .block_pool import KVPoolBlockPool
-from .layout import space_layout, view_tensor
+from .layout import engine_layout, space_layout, view_tensor
 
 __all__ = ["ALLOW_UNTESTED_ENV", "PATCHES", "TESTED", "PatchPoint", "UnsupportedVLLM", "install", "installed",
            "uninstall"]
@@ -323,6 +328,18 @@ def _schedule(original: Any) -> Any:
     return schedule
 
 
+def _allocate_slots(original: Any) -> Any:
+    def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
+        blocks = original(self, *args, **kwargs)
+        if blocks is None:  # vLLM's "cannot schedule now": this engine is short
+            block_pool = getattr(self, "block_pool", None)
+            if isinstance(block_pool, KVPoolBlockPool):
+                block_pool.note_miss()
+        return blocks
+
+    return allocate_slots
+
+
 class _IdleAwareQueue(queue.Queue):  # type: ignore[type-arg]
     """The engine core's input queue: a blocking get wakes up while idle."""
 
@@ -362,7 +379,9 @@ def _process_input_queue(original: Any) -> Any:
 # is resolved before any is set.
 PATCHES: tuple[PatchPoint, ...] = (
     PatchPoint("vllm.v1.executor.abstract", "Executor.initialize_from_config", _initialize_from_config),
-    PatchPoint("vllm.v1.executor.abstract", "Executor.shutdown", _shutdown),
+    # Each executor has its own shutdown (none calls Executor.shutdown).
+    PatchPoint("vllm.v1.executor.uniproc_executor", "UniProcExecutor.shutdown", _shutdown),
+    PatchPoint("vllm.v1.executor.multiproc_executor", "MultiprocExecutor.shutdown", _shutdown),
     PatchPoint("vllm.v1.engine.core", "EngineCore._initialize_kv_caches", _initialize_kv_caches),
     PatchPoint("vllm.v1.worker.utils", "allocate_kv_cache", _allocate_kv_cache),
     PatchPoint("vllm.v1.worker.gpu_model_runner", "allocate_kv_cache", _allocate_kv_cache, if_imported=True),
@@ -370,6 +389,7 @@ PATCHES: tuple[PatchPoint, ...] = (
     PatchPoint("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.__init__", _coordinator_init),
     PatchPoint("vllm.v1.core.kv_cache_coordinator", "BlockPool", _block_pool_class),
     PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler.schedule", _schedule),
+    PatchPoint("vllm.v1.core.kv_cache_manager", "KVCacheManager.allocate_slots", _allocate_slots),
     PatchPoint("vllm.v1.engine.core", "EngineCoreProc._process_input_queue", _process_input_queue),
 )
 
@@ -378,16 +398,23 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[KVSpac
     if not kv_cache_configs:
         return None
     world = int(vllm_config.parallel_config.world_size)
-    if len(kv_cache_configs) != 1 or world != 1:
-        # One space per engine; each rank of a TP/PP engine would need its own.
+    if len(kv_cache_configs) != world:
         raise NotImplementedError(
-            f"kvpool's vLLM plugin supports one worker per engine, this one has {world} "
-            f"(unset KVPOOL_VLLM to run it without kvpool)")
-    layout = space_layout(kv_cache_configs[0])
+            f"kvpool's vLLM plugin expects one KV cache config per rank, got {len(kv_cache_configs)} for {world} "
+            f"ranks (unset KVPOOL_VLLM to run it without kvpool)")
+    if len({id(cfg) for cfg in kv_cache_configs}) != len(kv_cache_configs):
+        kv_cache_configs[:] = [copy.copy(cfg) for cfg in kv_cache_configs]  # each rank carries its own handle
+    layout = engine_layout(kv_cache_configs)
     g = layout.geometry
     device = str(vllm_config.device_config.device_type)
     if device not in ("cpu", "cuda"):
         raise NotImplementedError(f"kvpool's vLLM plugin runs on cpu or cuda, not {device}")
+    if device == "cuda" and world > 1:
+        # On CPU every rank's worker maps the engine core's memory file; on
+        # CUDA each rank's GPU must map its own pages, which is not built yet.
+        raise NotImplementedError(
+            f"kvpool's vLLM plugin runs tensor/pipeline parallel engines on cpu only; this cuda engine has {world} "
+            f"ranks (unset KVPOOL_VLLM to run it without kvpool)")
     block_size = int(kv_cache_configs[0].kv_cache_groups[0].kv_cache_spec.block_size)
     idle = os.environ.get("KVPOOL_VLLM_IDLE_RELEASE_S", "1.0")
     try:
@@ -414,13 +441,14 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[KVSpac
         handle = {"pid": os.getpid(), "fd": -1 - len(_spaces), "size": g.num_regions * g.region_bytes}
     handle["region_bytes"] = g.region_bytes
     _spaces[handle["fd"]] = space
-    for cfg in kv_cache_configs:
-        setattr(cfg, _ATTR, handle)
+    for cfg, first, rank in zip(kv_cache_configs, layout.first_regions, layout.ranks):
+        # Rank r's worker views its own regions (layout.engine_layout).
+        setattr(cfg, _ATTR, {**handle, "first_region": first, "num_regions": rank.geometry.num_regions})
     get_logger(pool=space.pool.name if space.pool else None, tenant=space.name).info(
         "vllm space created", num_blocks=g.num_blocks, num_layers=g.num_layers, block_bytes=g.block_bytes,
-        kv_cache_groups=layout.num_groups,
+        kv_cache_groups=layout.num_groups, ranks=world,
         page_bytes=g.page_bytes, device=device, pid=os.getpid())
-    _log_start(space, block_size, int(vllm_config.model_config.max_model_len))
+    _log_start(space, block_size, int(vllm_config.model_config.max_model_len), world)
     return space, handle
 
 
@@ -428,7 +456,7 @@ def _size(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
 
 
-def _log_start(space: KVSpace, block_size: int, max_model_len: int) -> None:
+def _log_start(space: KVSpace, block_size: int, max_model_len: int, ranks: int) -> None:
     """The one line that says the plugin is on, at vLLM's default level, with
     the physical figures beside vLLM's virtual "KV cache size"."""
     g, st = space.geometry, space.stats()
@@ -438,10 +466,12 @@ def _log_start(space: KVSpace, block_size: int, max_model_len: int) -> None:
     concurrency = st.max_blocks * block_size / max_model_len
     _vllm_log.info(
         "kvpool is on: pool '%s' (capacity %s), tenant '%s'; vLLM's KV cache size above is virtual: %d blocks "
-        "(%d tokens, %s of address space); page %d bytes per layer (%s per commit); the pool can back %d blocks "
+        "(%d tokens, %s of address space); %d rank%s; page %d bytes per layer (%s per commit, all ranks); "
+        "the pool can back %d blocks "
         "now (%d tokens), at most %d (%s, maximum concurrency %.2fx for %d tokens per request); committed %s",
         pool.name if pool else "-", _size(pool.capacity) if pool else "-", space.name, virtual,
-        virtual * block_size, _size(virtual * per_block), g.page_bytes, _size(g.page_commit_bytes), st.available,
+        virtual * block_size, _size(virtual * per_block), ranks, "" if ranks == 1 else "s", g.page_bytes,
+        _size(g.page_commit_bytes), st.available,
         st.available * block_size, st.max_blocks, _size(st.max_blocks * per_block), concurrency, max_model_len,
         _size(st.committed_bytes))
 
@@ -457,8 +487,15 @@ def _views(kv_cache_config: Any, device: Any, kv_layout: Any,
         raw = _spaces[handle["fd"]].memory()  # the space's own mapping
     else:
         raw = map_shared(SharedMemory(handle["pid"], handle["fd"], handle["size"]))
+    g = layout.geometry
+    if (g.region_bytes, g.num_regions) != (handle["region_bytes"], handle.get("num_regions", g.num_regions)):
+        raise RuntimeError(f"this rank's KV layout ({g.num_regions} regions of {g.region_bytes} bytes) is not the "
+                           f"one the kvpool space was made for ({handle})")
+    start = handle.get("first_region", 0) * g.region_bytes  # this rank's regions (layout.EngineLayout)
+    raw = raw[start:start + g.num_regions * g.region_bytes]
     get_logger().info("vllm worker views", owner_pid=handle["pid"], pid=os.getpid(), shared_file=not same_process,
-                      bytes=raw.numel(), tensors=len(layout.placements), groups=layout.num_groups)
+                      first_region=handle.get("first_region", 0), bytes=raw.numel(), tensors=len(layout.placements),
+                      groups=layout.num_groups)
     raw = raw.view(torch.int8)
     if raw.device != torch.device(device):
         raise RuntimeError(f"the kvpool space lives on {raw.device}, vLLM's worker on {device}")

@@ -46,8 +46,11 @@ Why this shape:
   and the touch that takes the hit.
 * The other direction: vLLM never says it waits (a shortage is a ``None``
   it handles itself), so at each step the engine reports one waiting
-  request to the pool while its scheduler has requests queued and less than
-  a page of room is left; below its guarantee that makes borrowers lend.
+  request to the pool while its scheduler has requests queued and either
+  less than a page of room is left or vLLM's last step could not allocate
+  (``allocate_slots`` answered ``None``: a request needs more blocks than
+  the free count, however many that is, see :meth:`note_miss`); below its
+  guarantee that makes borrowers lend.
 """
 
 from __future__ import annotations
@@ -119,6 +122,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         # Less room than a page holds on average: "at the edge" (see on_step).
         self._blocks_per_page = max(1, math.ceil(g.capacity / g.num_pages))
         self._reported_waiting = 0
+        self._missed = False  # vLLM could not allocate since the last step check
         self._virtual_count = False
         # The budget's lending verdict as last read (once per step, or on a
         # shortage); get_num_free_blocks answers from it without a native call.
@@ -263,6 +267,13 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         verdict and tell the pool whether this engine is short."""
         self._check_budget(num_waiting)
 
+    def note_miss(self) -> None:
+        """vLLM's ``allocate_slots`` answered ``None`` (the free count did not
+        cover a request): with requests queued at the next step, this engine
+        waits for memory, even if more than a page of room is left (a
+        300-token prompt needs more than one page of blocks)."""
+        self._missed = True
+
     def on_idle(self) -> None:
         """Called by the engine core while it has no requests (its own thread):
         give cached pages back if the budget says so."""
@@ -334,7 +345,8 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         # evict) with requests queued: this engine waits for memory. An idle
         # engine wants nothing.
         queued = 1 if num_waiting is None else num_waiting
-        short = queued > 0 and self.space.available() + len(self._evictable) < self._blocks_per_page
+        missed, self._missed = self._missed, False
+        short = queued > 0 and (missed or self.space.available() + len(self._evictable) < self._blocks_per_page)
         self._report_waiting(int(short))
 
     def _set_lending(self, b: BudgetStats) -> None:

@@ -28,6 +28,13 @@ The views handed to vLLM's attention are vLLM's own
 (``create_kv_cache_views``), over the space's memory, with kvpool's region
 stride in place of vLLM's slot stride (a region is padded to whole pages).
 
+A tensor- or pipeline-parallel engine has one ``KVCacheConfig`` per rank
+(the same block count; per-rank shards of the heads, or each stage's layers).
+Its space holds every rank's regions back to back (:class:`EngineLayout`):
+block ``b`` of the space covers block ``b`` of every rank, so a page is
+committed on every rank or on none and the pool's books count them all;
+rank ``r``'s worker views only its own regions.
+
 Supported: attention specs (full, sliding window, chunked local, MLA) in any
 number of groups. Refused, naming the spec: layers without per-layer views
 (Mamba / linear-attention state, HiSparse pools), host-resident tensors and
@@ -42,7 +49,7 @@ from typing import Any
 
 from kvpool import Geometry
 
-__all__ = ["Placement", "SpaceLayout", "space_layout", "view_tensor"]
+__all__ = ["EngineLayout", "Placement", "SpaceLayout", "engine_layout", "space_layout", "view_tensor"]
 
 _DEFAULT_PAGE_BYTES = 2 << 20
 
@@ -69,6 +76,20 @@ class SpaceLayout:
     @property
     def num_groups(self) -> int:
         return len({p.group for p in self.placements})
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLayout:
+    """One space for every rank of an engine: rank ``r``'s regions start at
+    ``first_regions[r]``, each rank laid out as ``ranks[r]``."""
+
+    geometry: Geometry
+    ranks: tuple[SpaceLayout, ...]
+    first_regions: tuple[int, ...]
+
+    @property
+    def num_groups(self) -> int:
+        return self.ranks[0].num_groups
 
 
 def _refuse(what: str) -> NotImplementedError:
@@ -146,3 +167,27 @@ def view_tensor(layout: SpaceLayout, placement: Placement, raw_bytes: int) -> An
     return dataclasses.replace(t, size=raw_bytes, offset=placement.first_region * g.region_bytes,
                                layer_stride=g.region_bytes)
 
+
+
+def engine_layout(kv_cache_configs: Any, page_bytes: int | None = None) -> EngineLayout:
+    """The space of an engine whose ranks have these ``KVCacheConfig`` (one
+    per rank, in rank order): every rank's regions back to back. Ranks must
+    page alike (same blocks, block bytes per region, page size and layout
+    order), as tensor-parallel shards and the stages of a uniform model do."""
+    ranks = tuple(space_layout(cfg, page_bytes) for cfg in kv_cache_configs)
+    if not ranks:
+        raise _refuse("an engine without KV cache configs")
+    first = ranks[0]
+    for r, lay in enumerate(ranks):
+        a, b = first.geometry, lay.geometry
+        if (a.num_blocks, a.block_bytes, a.page_bytes, first.layer_outermost) != \
+                (b.num_blocks, b.block_bytes, b.page_bytes, lay.layer_outermost):
+            raise _refuse(f"ranks that page differently (rank 0: {a.num_blocks} blocks of {a.block_bytes} bytes per "
+                          f"region; rank {r}: {b.num_blocks} blocks of {b.block_bytes} bytes)")
+    starts, total = [], 0
+    for lay in ranks:
+        starts.append(total)
+        total += lay.geometry.num_regions
+    g = first.geometry
+    return EngineLayout(Geometry(total, 1, g.block_bytes, g.num_blocks, page_bytes=g.page_bytes), ranks,
+                        tuple(starts))

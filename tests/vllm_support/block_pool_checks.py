@@ -334,6 +334,32 @@ def an_engine_at_the_pools_edge_reports_waiting_until_it_holds_nothing(name: str
 
 
 @check
+def an_engine_whose_request_does_not_fit_reports_waiting_with_pages_of_room_left(name: str) -> None:
+    # Regression: "short" was only "less than a page of room", so an engine
+    # whose next request needed more blocks than its room (but more than a
+    # page was left) never said it waited; an idle neighbour holding its
+    # reserve then never lent, and the engine spun forever (seen with a
+    # hybrid engine beside a TP=2 one).
+    with block_pool(name, pages=4, caching=False) as p:
+        assert p.space.pool is not None
+
+        def waiting() -> list[int]:
+            return [t.waiting for t in p.space.pool.tenants() if t.name == "eng"]  # type: ignore[union-attr]
+
+        assert p.get_num_free_blocks() > 2 * PER_PAGE  # pages of room
+        p.on_step(2)
+        assert waiting() == [0]  # queued requests alone are not a shortage (vLLM may batch them later)
+        p.note_miss()  # allocate_slots answered None: a request needs more than the free count
+        p.on_step(2)
+        assert waiting() == [1]
+        p.on_step(2)
+        assert waiting() == [0]  # a miss counts for the next step only
+        p.note_miss()
+        p.on_step(0)
+        assert waiting() == [0]  # nothing queued any more: nothing to wait for
+
+
+@check
 def a_lowered_limit_reclaims_down_to_it(name: str) -> None:
     with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
         cache_and_free(p, 3 + 3 * PER_PAGE)

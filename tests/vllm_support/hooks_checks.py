@@ -284,6 +284,49 @@ def a_mamba_layer_is_refused_naming_its_spec() -> None:
         raise AssertionError("a Mamba layer must be refused")
 
 
+@check
+def every_ranks_regions_follow_the_previous_ranks_in_one_space() -> None:
+    # Pipeline-parallel stages of a 5-layer model (3 + 2 layers, per-rank
+    # configs of the same block count): one space of 5 regions, stage 1 from
+    # region 3. Tensor-parallel shards are the equal-stage case.
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    from kvpool.adapters.vllm.layout import engine_layout
+
+    n, page = 64, 4096
+
+    def stage(names: list[str]) -> Any:
+        tensor = KVCacheTensor(size=len(names) * n * page, layers=names, layer_stride=n * page, block_stride=page)
+        return _config(n, [tensor], [(names, _attention())])
+
+    engine = engine_layout([stage(["l0", "l1", "l2"]), stage(["l3", "l4"])], page_bytes=64 << 10)
+    g = engine.geometry
+    assert (g.num_layers, g.block_bytes, g.num_blocks) == (5, page, n), g
+    assert engine.first_regions == (0, 3) and [r.geometry.num_regions for r in engine.ranks] == [3, 2]
+    assert all(r.geometry.region_bytes == g.region_bytes for r in engine.ranks)
+    assert g.page_commit_bytes == 5 * (64 << 10)  # a page commits on every rank at once
+
+
+@check
+def ranks_that_page_differently_are_refused() -> None:
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    from kvpool.adapters.vllm.layout import engine_layout
+
+    n = 64
+
+    def rank(page: int) -> Any:
+        return _config(n, [KVCacheTensor(size=n * page, layers=["l0"], layer_stride=n * page, block_stride=page)],
+                       [(["l0"], _attention())])
+
+    try:
+        engine_layout([rank(4096), rank(8192)], page_bytes=64 << 10)
+    except NotImplementedError as e:
+        assert "ranks that page differently" in str(e) and "rank 1" in str(e), e
+    else:
+        raise AssertionError("ranks of different block bytes must be refused")
+
+
 def main() -> None:
     # Imported up front, as a worker process has them: the table's
     # "if imported" points are then patched and checked too.

@@ -8,8 +8,16 @@ imports kvpool's adapters itself, so it measures vLLM as an operator runs it.
 CONFIG keys: model, dtype (default bfloat16), phases (list of {prompts: [[token ids]], max_tokens,
 limit_bytes?, sleep_s?, wait_file?, done_file?, barrier?}), prefix_caching,
 kv_cache_memory_bytes, max_num_seqs, block_size, max_model_len, in_process
-(bool), tenant (for limits), pool (sampled every few ms when set),
+(bool), tensor_parallel_size (default 1; ranks are worker processes, one
+core each), tenant (for limits), pool (sampled every few ms when set),
 ready_file / go_file (optional start barrier).
+
+With ``sample_memory``, the plugin on and the engine core in this process,
+the samples also carry the real memory of the space's memory file (its allocated bytes, by
+SEEK_DATA/SEEK_HOLE, not kvpool's books) in ``ranks`` equal slices, one per
+rank; each phase ends with ``quiescent`` = [ledger bytes, [bytes per rank]]
+read together. ``shutdown_check``: shut the engine down before exiting and
+report the pool's tenants then (``tenants_after_shutdown``).
 
 Phases are ordered by events, not time: ``wait_file`` holds a phase back
 until that file exists, ``done_file`` is created when it ends. A phase with
@@ -37,6 +45,10 @@ def main() -> None:
     out_path = sys.argv[2]
     if cfg.get("in_process", True):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    tp = int(cfg.get("tensor_parallel_size", 1))
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
+                                                                    for i in range(tp)))
     from vllm import LLM, SamplingParams
 
     preemptions = [0]
@@ -56,14 +68,15 @@ def main() -> None:
     llm = LLM(
         model=cfg["model"], dtype=cfg.get("dtype", "bfloat16"), block_size=cfg.get("block_size", 32),
         max_model_len=cfg.get("max_model_len", 1024), kv_cache_memory_bytes=cfg.get("kv_cache_memory_bytes", 64 << 20),
-        distributed_executor_backend="uni" if cfg.get("in_process", True) else None,
+        distributed_executor_backend="mp" if tp > 1 else "uni" if cfg.get("in_process", True) else None,
+        tensor_parallel_size=tp,
         enable_prefix_caching=cfg.get("prefix_caching", False), enforce_eager=True, seed=0,
         max_num_seqs=cfg.get("max_num_seqs", 8), max_num_batched_tokens=cfg.get("max_num_batched_tokens", 1024),
     )
     init_s = time.monotonic() - t0
 
     pool = None
-    samples: list[tuple[float, int, int]] = []  # (t, pool committed, this tenant committed)
+    samples: list[tuple[float, int, int, list[int]]] = []  # (t, pool committed, this tenant's, memory per rank)
     stop = threading.Event()
     current: dict[str, Any] = {}  # the running phase's min/max per tenant (the sampler fills them)
     lock = threading.Lock()
@@ -77,7 +90,8 @@ def main() -> None:
             while not stop.is_set():
                 snap = pool.snapshot()
                 held = {t.name: t.committed_bytes for t in snap.tenants}
-                samples.append((time.monotonic(), snap.committed, held.get(tenant, 0)))
+                samples.append((time.monotonic(), snap.committed, held.get(tenant, 0),
+                                memory_per_rank(tp) if cfg.get("sample_memory") else []))
                 with lock:
                     if current:
                         for name, c in held.items():
@@ -125,7 +139,16 @@ def main() -> None:
         gen_s = time.monotonic() - start
         with lock:
             low, high = current.pop("min"), current.pop("max")
+        quiescent = None
+        if pool is not None:
+            for _ in range(100):  # the ledger and the memory file, read while neither moves
+                before, memory, after = held_now().get(cfg.get("tenant"), 0), memory_per_rank(tp), \
+                    held_now().get(cfg.get("tenant"), 0)
+                if before == after:
+                    quiescent = [after, memory]
+                    break
         phases.append({
+            "quiescent": quiescent,
             "tokens": tokens,
             "gen_s": gen_s,
             "start": start,
@@ -149,9 +172,47 @@ def main() -> None:
         "pid": os.getpid(),
         "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
     }
+    if cfg.get("shutdown_check") and pool is not None:
+        # The engine shut down, this process still alive: its tenant must
+        # have left the pool (the executor's shutdown closes the space).
+        llm.llm_engine.engine_core.shutdown()
+        result["tenants_after_shutdown"] = [t.name for t in pool.tenants()]
     with open(out_path, "w") as f:
         json.dump(result, f)
     del llm
+
+
+def memory_per_rank(ranks: int) -> list[int]:
+    """Allocated bytes of this process's kvpool memory files, in ``ranks``
+    equal slices (the space holds rank r's regions in slice r); [] when this
+    process holds none (the plugin off, or the engine core elsewhere)."""
+    out = [0] * ranks
+    seen = False
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:kvpool-space"):
+                continue
+            fd = os.open(f"/proc/self/fd/{name}", os.O_RDONLY)
+        except OSError:
+            continue  # closed meanwhile
+        try:
+            seen = True
+            size = os.fstat(fd).st_size
+            step = size // ranks
+            pos = 0
+            while pos < size:
+                try:
+                    data = os.lseek(fd, pos, os.SEEK_DATA)
+                except OSError:
+                    break  # no data after pos
+                hole = os.lseek(fd, data, os.SEEK_HOLE)
+                for r in range(ranks):  # the extent's bytes in each rank's slice
+                    lo, hi = max(data, r * step), min(hole, (r + 1) * step)
+                    out[r] += max(0, hi - lo)
+                pos = hole
+        finally:
+            os.close(fd)
+    return out if seen else []
 
 
 def stepped(llm: Any, prompts: list[list[int]], sp: Any, barrier: dict[str, Any], tenant: str | None,
