@@ -89,4 +89,4 @@ def test_an_mla_engines_worker_process_maps_the_latent_buffer(
     assert views[0]["owner_pid"] == created[0]["pid"] != views[0]["pid"]
     assert [len(t) for t in res["phases"][0]["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
     assert max(committed(res)) >= 8 * UNIT
-    assert max(total for _, total, _ in res["samples"]) <= pool.capacity
+    assert max(total for _, total, _, _ in res["samples"]) <= pool.capacity
