@@ -4,10 +4,20 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import os
+import signal
 
 import pytest
 
 from kvpool import Geometry, KVSpace, Pool
+
+# A suite started in the background without job control (`nohup ... &`, a
+# CI runner) inherits SIGINT *ignored*, and so would every child it starts:
+# the tests that press Ctrl-C on `kvpool top` / `kvpool metrics --listen`
+# would then wait forever for an exit. A handler (unlike SIG_IGN) is not
+# inherited across exec, so children start with SIGINT at its default, as
+# from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 KiB = 1024
 
