@@ -54,15 +54,13 @@ def wait_listening(port: int, alive: Callable[[], bool], log: Callable[[], str])
     """Until a connect to a starting OpenAI server succeeds. uvicorn logs
     "Application startup complete" before it listens on the socket vLLM bound
     for it, so a connect in between is refused: wait for the listen, or fail
-    when the server exits (or has not listened in 300 s)."""
-    deadline = time.monotonic() + 300
+    when the server exits (a hang ends in the test's timeout)."""
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=10).close()
             return
         except ConnectionRefusedError:
             assert alive(), "the server exited while starting:\n" + log()[-8000:]
-            assert time.monotonic() < deadline, f"port {port} never listened:\n" + log()[-8000:]
             threading.Event().wait(0.05)
 
 

@@ -314,14 +314,17 @@ def kv_cache_usage_is_measured_against_what_the_pool_can_back(name: str) -> None
         assert phys["max_blocks"] == 11 and phys["virtual_blocks"] == N - 1 and phys["used_blocks"] == 6
 
 
+def waiting_of(p: KVPoolBlockPool) -> Callable[[], list[int]]:
+    """The pool's WAITING column for this engine's tenant, as a reader sees it."""
+    pool = p.space.pool
+    assert pool is not None
+    return lambda: [t.waiting for t in pool.tenants() if t.name == p.space.name]
+
+
 @check
 def an_engine_at_the_pools_edge_reports_waiting_until_it_holds_nothing(name: str) -> None:
     with block_pool(name, pages=2, caching=False) as p:
-        assert p.space.pool is not None
-
-        def waiting() -> list[int]:
-            return [t.waiting for t in p.space.pool.tenants() if t.name == "eng"]  # type: ignore[union-attr]
-
+        waiting = waiting_of(p)
         blocks = p.get_new_blocks(p.get_num_free_blocks() - 2)
         p.on_step(0)
         assert waiting() == [0]  # at the edge, but vLLM has nothing queued
@@ -341,11 +344,7 @@ def an_engine_whose_request_does_not_fit_reports_waiting_with_pages_of_room_left
     # reserve then never lent, and the engine spun forever (seen with a
     # hybrid engine beside a TP=2 one).
     with block_pool(name, pages=4, caching=False) as p:
-        assert p.space.pool is not None
-
-        def waiting() -> list[int]:
-            return [t.waiting for t in p.space.pool.tenants() if t.name == "eng"]  # type: ignore[union-attr]
-
+        waiting = waiting_of(p)
         assert p.get_num_free_blocks() > 2 * PER_PAGE  # pages of room
         p.on_step(2)
         assert waiting() == [0]  # queued requests alone are not a shortage (vLLM may batch them later)
