@@ -219,6 +219,13 @@ class Recipe:
         if self.servers is not None and self.servers.poll() is None:
             os.killpg(self.servers.pid, signal.SIGTERM)  # as a service manager stops them
             self.servers.wait(timeout=300)
+            # The shell waited for the API servers, not for their engine-core
+            # processes, which leave the pool as they exit: the blocks after
+            # this one (--gc) need the pool empty, as a service manager that
+            # waits for the whole unit leaves it.
+            pool = Pool(self.pool, create=False)
+            while pool.tenants():
+                threading.Event().wait(0.05)
 
     # -- the run
 
