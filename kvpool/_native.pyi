@@ -1,6 +1,6 @@
 """kvpool native core (private: use the kvpool package)"""
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy
 import numpy.typing
@@ -254,18 +254,31 @@ class Space:
         All-or-nothing: n block ids (int64 array), or a Failure (nothing changed).
         """
 
+    def alloc_items(self, n: int, items: list[Any], promised: bool = False) -> list[Any] | Failure:
+        """
+        alloc (alloc_promised if promised) answered as [items[id] for each id]; items: a list with an entry per block.
+        """
+
+    def free_items(self, items: list[Any], attr: str) -> int | Failure:
+        """
+        free of [getattr(item, attr) for item in items] (the ids read natively); as free.
+        """
+
     def alloc_promised(self, n: int) -> numpy.typing.NDArray[numpy.int64] | Failure:
         """
         alloc granted as an earlier available() said, even if this tenant lends now (its limit and the
         pool's free bytes still apply).
         """
 
-    def free(self, ids: numpy.typing.NDArray[numpy.int64]) -> int | Failure:
+    def free(self, ids: numpy.typing.NDArray[numpy.int64] | list[int]) -> int | Failure:
         """
-        Validates the whole batch first: blocks available after it, or a Failure naming the bad ids (nothing freed). TypeError unless ids is a 1-D C-contiguous int64 numpy array.
+        Validates the whole batch first: blocks available after it, or a Failure naming the bad ids (nothing freed). TypeError unless ids is a 1-D C-contiguous int64 numpy array or a list of ints.
         """
 
-    def available(self) -> int: ...
+    def available(self) -> int:
+        """
+        Blocks a following alloc can deliver (waits for the space's mutex only without the GIL).
+        """
 
     def trim(self) -> tuple[int, int, str]:
         """Release every idle committed page: (code, released, message)."""

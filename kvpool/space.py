@@ -309,10 +309,10 @@ class KVSpace:
 
     def free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> None:
         """Free a batch of ids. Any bad id raises :class:`InvalidBlocks` and frees nothing."""
-        if type(blocks) is _ndarray:  # the hot path, inline: one native call
+        if type(blocks) is _ndarray or type(blocks) is list:  # the hot path, inline: one native call
             try:
                 r = self._space.free(blocks)
-            except TypeError:  # not a 1-D C-contiguous int64 array: the checked path
+            except TypeError:  # not a 1-D C-contiguous int64 array or a list of ints: the checked path
                 self._free(blocks)
                 return
             if not isinstance(r, int):

@@ -67,10 +67,26 @@ nb::object new_int64_array(int64_t n, int64_t** data) {
 }
 
 // The ids of a free: a 1-D, C-contiguous, aligned, native-order int64 numpy
-// array, read in place. Anything else is a TypeError the Python layer
-// answers by converting (kvpool._validate.block_ids) and calling again.
-const int64_t* id_buffer(nb::handle ids, int64_t* n) {
+// array, read in place, or a list of Python ints (the vLLM plugin's ids),
+// copied into `scratch`. Anything else (an int beyond int64 included) is a
+// TypeError the Python layer answers by converting
+// (kvpool._validate.block_ids) and calling again.
+const int64_t* id_buffer(nb::handle ids, int64_t* n, std::vector<int64_t>& scratch) {
     PyObject* o = ids.ptr();
+    if (PyList_CheckExact(o)) {
+        const Py_ssize_t len = PyList_GET_SIZE(o);
+        scratch.resize(static_cast<size_t>(len));
+        for (Py_ssize_t i = 0; i < len; ++i) {
+            PyObject* item = PyList_GET_ITEM(o, i);
+            int overflow = 0;
+            const long long v = PyLong_Check(item) && !PyBool_Check(item) ? PyLong_AsLongLongAndOverflow(item, &overflow)
+                                                                         : (overflow = 1, 0);
+            if (overflow != 0) throw nb::type_error("free: ids must be Python ints within int64");
+            scratch[static_cast<size_t>(i)] = static_cast<int64_t>(v);
+        }
+        *n = static_cast<int64_t>(len);
+        return scratch.data();
+    }
     if (PyArray_Check(o)) {
         auto* a = reinterpret_cast<PyArrayObject*>(o);
         const int t = PyArray_TYPE(a);
@@ -80,7 +96,60 @@ const int64_t* id_buffer(nb::handle ids, int64_t* n) {
             return static_cast<const int64_t*>(PyArray_DATA(a));
         }
     }
-    throw nb::type_error("free: ids must be a 1-D C-contiguous int64 numpy array");
+    throw nb::type_error("free: ids must be a 1-D C-contiguous int64 numpy array or a list of ints");
+}
+
+// A refused alloc as Python sees it (an Unsatisfiable one names the most
+// this tenant can ever hold).
+nb::object failed_alloc(Space& s, Status st, int64_t available) {
+    Failure f{static_cast<int>(st.code), std::move(st.message), available, 0, {}};
+    if (st.code == Code::Unsatisfiable) {
+        nb::gil_scoped_release nogil;
+        f.max_blocks = s.max_blocks();
+    }
+    return nb::cast(std::move(f));
+}
+
+// The ids of `items` (a list), each read as the int attribute `attr` (the
+// vLLM plugin's block objects and their block_id), into `scratch`.
+const int64_t* attr_ids(nb::handle items, nb::handle attr, int64_t* n, std::vector<int64_t>& scratch) {
+    PyObject* list = items.ptr();
+    if (!PyList_CheckExact(list)) throw nb::type_error("free_items: items must be a list");
+    if (!PyUnicode_CheckExact(attr.ptr())) throw nb::type_error("free_items: attr must be a str");
+    const Py_ssize_t len = PyList_GET_SIZE(list);
+    scratch.resize(static_cast<size_t>(len));
+    for (Py_ssize_t i = 0; i < len; ++i) {
+        PyObject* v = PyObject_GetAttr(PyList_GET_ITEM(list, i), attr.ptr());
+        if (v == nullptr) throw nb::python_error();
+        int overflow = 0;
+        const long long id = PyLong_Check(v) ? PyLong_AsLongLongAndOverflow(v, &overflow) : (overflow = 1, 0);
+        Py_DECREF(v);
+        if (overflow != 0) throw nb::type_error("free_items: each item's id must be an int within int64");
+        scratch[static_cast<size_t>(i)] = static_cast<int64_t>(id);
+    }
+    *n = static_cast<int64_t>(len);
+    return scratch.data();
+}
+
+// Space::free as the binding runs it (ids already read): non-blocking with
+// the GIL held, then (if the core would block) again without it.
+nb::object free_ids(Space& s, const int64_t* data, int64_t n) {
+    std::vector<int64_t> bad;
+    int64_t available = 0;
+    bool release_due = false;
+    Status st = s.free(data, n, &bad, nullptr, &available, /*nonblocking=*/true, &release_due);
+    if (release_due) {  // no reserve thread: the page syscalls, without the GIL
+        nb::gil_scoped_release nogil;
+        s.release_inline();
+        available = s.available();
+    } else if (st.code == Code::WouldBlock) {
+        // The caller's ids stay referenced for the call; the core applies
+        // its own validated copy of them.
+        nb::gil_scoped_release nogil;
+        st = s.free(data, n, &bad, nullptr, &available);
+    }
+    if (st.is_ok()) return nb::int_(available);
+    return nb::cast(Failure{static_cast<int>(st.code), std::move(st.message), available, 0, std::move(bad)});
 }
 
 // Space::alloc as the binding runs it: non-blocking with the GIL held, then
@@ -97,12 +166,39 @@ nb::object alloc_ids(Space& s, int64_t n, bool promised) {
         st = s.alloc(n, data, &available, nullptr, /*nonblocking=*/false, promised);
     }
     if (st.is_ok()) return ids;
-    Failure f{static_cast<int>(st.code), std::move(st.message), available, 0, {}};
-    if (st.code == Code::Unsatisfiable) {
+    return failed_alloc(s, std::move(st), available);
+}
+
+// alloc_items: n ids allocated as alloc_ids does, answered as `items[id]` for
+// each (a list): the vLLM plugin passes its block objects and gets them back
+// without building ids on either side.
+nb::object alloc_items(Space& s, int64_t n, nb::handle items, bool promised) {
+    PyObject* table = items.ptr();
+    if (!PyList_CheckExact(table)) throw nb::type_error("alloc_items: items must be a list");
+    if (PyList_GET_SIZE(table) < s.config().num_blocks)
+        throw nb::value_error("alloc_items: items must have an entry for every block of the space");
+    thread_local std::vector<int64_t> ids;
+    ids.resize(static_cast<size_t>(n > 0 && n <= s.capacity() ? n : 0));
+    int64_t available = 0;
+    Status st = s.alloc(n, ids.data(), &available, nullptr, /*nonblocking=*/true, promised);
+    if (st.code == Code::WouldBlock) {
         nb::gil_scoped_release nogil;
-        f.max_blocks = s.max_blocks();
+        st = s.alloc(n, ids.data(), &available, nullptr, /*nonblocking=*/false, promised);
     }
-    return nb::cast(std::move(f));
+    if (!st.is_ok()) return failed_alloc(s, std::move(st), available);
+    PyObject* out = PyList_New(static_cast<Py_ssize_t>(n));
+    if (out == nullptr) {  // no memory for the answer: give the blocks back
+        nb::gil_scoped_release nogil;
+        std::vector<int64_t> bad;
+        s.free(ids.data(), n, &bad);
+        throw nb::python_error();
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        PyObject* item = PyList_GET_ITEM(table, static_cast<Py_ssize_t>(ids[static_cast<size_t>(i)]));
+        Py_INCREF(item);
+        PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), item);
+    }
+    return nb::steal(out);
 }
 
 }  // namespace
@@ -237,6 +333,21 @@ NB_MODULE(_native, m) {
         .def("alloc", [](Space& s, int64_t n) { return alloc_ids(s, n, false); }, "n"_a,
              nb::sig("def alloc(self, n: int) -> numpy.typing.NDArray[numpy.int64] | Failure"),
              "All-or-nothing: n block ids (int64 array), or a Failure (nothing changed).")
+        .def("alloc_items", &alloc_items, "n"_a, "items"_a, "promised"_a = false,
+             nb::sig("def alloc_items(self, n: int, items: list[typing.Any], promised: bool = False) -> list[typing.Any] | Failure"),
+             "alloc (alloc_promised if promised) answered as [items[id] for each id]; items: a list with an "
+             "entry per block.")
+        .def(
+            "free_items",
+            [](Space& s, nb::handle items, nb::handle attr) -> nb::object {
+                int64_t n = 0;
+                thread_local std::vector<int64_t> scratch;
+                const int64_t* data = attr_ids(items, attr, &n, scratch);
+                return free_ids(s, data, n);
+            },
+            "items"_a, "attr"_a,
+            nb::sig("def free_items(self, items: list[typing.Any], attr: str) -> int | Failure"),
+            "free of [getattr(item, attr) for item in items] (the ids read natively); as free.")
         .def("alloc_promised", [](Space& s, int64_t n) { return alloc_ids(s, n, true); }, "n"_a,
              nb::sig("def alloc_promised(self, n: int) -> numpy.typing.NDArray[numpy.int64] | Failure"),
              "alloc granted as an earlier available() said, even if this tenant lends now (its limit and the\n"
@@ -245,28 +356,22 @@ NB_MODULE(_native, m) {
             "free",
             [](Space& s, nb::handle ids) -> nb::object {
                 int64_t n = 0;
-                const int64_t* data = id_buffer(ids, &n);
-                std::vector<int64_t> bad;
-                int64_t available = 0;
-                bool release_due = false;
-                Status st = s.free(data, n, &bad, nullptr, &available, /*nonblocking=*/true, &release_due);
-                if (release_due) {  // no reserve thread: the page syscalls, without the GIL
-                    nb::gil_scoped_release nogil;
-                    s.release_inline();
-                    available = s.available();
-                } else if (st.code == Code::WouldBlock) {
-                    // The caller's array stays referenced for the call; the
-                    // core applies its own validated copy of the ids.
-                    nb::gil_scoped_release nogil;
-                    st = s.free(data, n, &bad, nullptr, &available);
-                }
-                if (st.is_ok()) return nb::int_(available);
-                return nb::cast(Failure{static_cast<int>(st.code), std::move(st.message), available, 0, std::move(bad)});
+                thread_local std::vector<int64_t> scratch;
+                const int64_t* data = id_buffer(ids, &n, scratch);
+                return free_ids(s, data, n);
             },
-            "ids"_a, nb::sig("def free(self, ids: numpy.typing.NDArray[numpy.int64]) -> int | Failure"),
+            "ids"_a, nb::sig("def free(self, ids: numpy.typing.NDArray[numpy.int64] | list[int]) -> int | Failure"),
             "Validates the whole batch first: blocks available after it, or a Failure naming the bad ids "
-            "(nothing freed). TypeError unless ids is a 1-D C-contiguous int64 numpy array.")
-        .def("available", &Space::available, nb::call_guard<nb::gil_scoped_release>())
+            "(nothing freed). TypeError unless ids is a 1-D C-contiguous int64 numpy array or a list of ints.")
+        .def(
+            "available",
+            [](Space& s) {
+                int64_t a = 0;
+                if (s.try_available(&a)) return a;  // the common case: the GIL held, no wait
+                nb::gil_scoped_release nogil;
+                return s.available();
+            },
+            "Blocks a following alloc can deliver (waits for the space's mutex only without the GIL).")
         .def(
             "trim",
             [](Space& s) {

@@ -186,6 +186,17 @@ int64_t Space::available() {
     return closed_ ? 0 : available_locked();
 }
 
+bool Space::try_available(int64_t* out) {
+    *out = 0;
+    std::unique_lock<std::mutex> lk(mu_, std::defer_lock);
+    const Status entered = enter_locked(lk, /*nonblocking=*/true);
+    if (entered.code == Code::WouldBlock) return false;
+    if (!entered.is_ok()) return true;  // closed or inherited: nothing is available
+    refresh_budget_locked();  // with a reserve thread: wakes it, no syscall here
+    *out = available_locked();
+    return true;
+}
+
 int64_t Space::max_blocks() {
     if (!check_usable().is_ok()) return 0;
     std::lock_guard<std::mutex> lk(mu_);

@@ -95,6 +95,10 @@ public:
     // Without a reserve thread: release the idle pages due to go back; returns how many.
     int64_t release_inline();
     int64_t available();
+    // available() that never waits: false (nothing computed) if the mutex is
+    // taken, or if a stale budget would release pages inline (no reserve
+    // thread); the binding then calls available() without the GIL.
+    bool try_available(int64_t* out);
     // The most blocks this tenant can ever hold (min of limit and pool
     // capacity, through the page formula).
     int64_t max_blocks();

@@ -55,14 +55,16 @@ Why this shape:
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from kvpool import BudgetStats, KVSpace, PoolExhausted, RequestTooLarge
+from kvpool import BudgetStats, KVSpace, PoolExhausted
+from kvpool._core import raise_failure
+from kvpool.space import alloc_failed
 from kvpool.tracing import get_logger
 
 from vllm.v1.core.block_pool import BlockPool
@@ -79,30 +81,94 @@ class KVPoolShortage(ValueError):
     """The space could not deliver blocks vLLM was told were free (a race)."""
 
 
-class _ChosenBlocks:
-    """vLLM's free queue as ``BlockPool.get_new_blocks`` sees it for one
-    call: ``popleft_n`` pops the blocks the space chose instead of the head.
-    Deliberately no other attribute: if vLLM's method body changes to use
-    another queue method it fails loudly here, never hands out wrong ids."""
+class _SpaceFreeQueue:
+    """vLLM's free block queue, kept by the space: what vLLM's own
+    ``BlockPool`` methods (``get_new_blocks``, ``free_blocks``, ``touch``,
+    ``unpin_blocks``) call on ``free_block_queue``, with the native allocator
+    in place of vLLM's linked list. One native call per ``popleft_n`` and per
+    ``prepend_n``; no per-block Python work beyond vLLM's own loops.
 
-    def __init__(self, queue: Any, chosen: list[Any]) -> None:
-        self._queue, self._chosen = queue, chosen
+    vLLM's free queue has two ends: blocks freed without a cache hash go to
+    the head (reused first), cached ones and unpinned ones to the tail (LRU
+    eviction). Here the head is the space itself (the blocks go back to it,
+    and it hands out ids best-fit by page) and the tail is ``evictable``
+    (held blocks, oldest first). ``num_free_blocks`` is vLLM's own figure:
+    both ends together, the virtual count (the plugin's
+    ``get_num_free_blocks`` says what the pool can back).
 
-    @property
-    def num_free_blocks(self) -> int:
-        return int(self._queue.num_free_blocks)
+    Only the methods vLLM 0.32 calls exist: a vLLM that calls another fails
+    loudly here instead of handing out wrong ids."""
+
+    __slots__ = ("num_free_blocks", "evictable", "_pool", "_free_items", "_total")
+
+    def __init__(self, pool: KVPoolBlockPool) -> None:
+        self._pool = pool
+        self._total = pool.num_gpu_blocks - 1  # every block but vLLM's null block
+        self.num_free_blocks = self._total
+        # Held blocks with ref_cnt 0, oldest first (dict order = LRU).
+        self.evictable: dict[int, Any] = {}
+        self._free_items = pool.space._space.free_items  # the bound native call: frees [b.block_id ...]
 
     def popleft_n(self, n: int) -> list[Any]:
-        assert n == len(self._chosen), (n, len(self._chosen))
-        for block in self._chosen:
-            self._queue.remove(block)
-        return self._chosen
+        blocks = self._pool._take(n)
+        self.num_free_blocks -= n
+        return blocks
+
+    def popleft(self) -> Any:
+        return self.popleft_n(1)[0]
+
+    def prepend_n(self, blocks: list[Any]) -> None:
+        """Blocks that reached ref 0 with no cache hash: back to the space
+        (an unpinned one stays readable until reused: to the tail)."""
+        if not blocks:
+            return
+        self.num_free_blocks += len(blocks)
+        watchers = self._pool._reuse_watchers
+        if watchers:
+            readable = [b for b in blocks if b.block_id in watchers]
+            for b in readable:
+                self.evictable[b.block_id] = b
+            blocks = [b for b in blocks if b.block_id not in watchers]
+        if blocks:
+            r = self._free_items(blocks, "block_id")
+            if not isinstance(r, int):
+                raise_failure(r, ids=True)
+        if self.num_free_blocks == self._total and self._pool._reported_waiting:
+            # Nothing in use any more: an offline engine may never call again,
+            # so it must not leave "waiting" behind in the ledger.
+            self._pool._report_waiting(0)
+
+    def append_n(self, blocks: list[Any]) -> None:
+        """Cached (or unpinned) blocks at ref 0: held, most recent last."""
+        if not blocks:
+            return
+        self.num_free_blocks += len(blocks)
+        evictable = self.evictable
+        for b in blocks:
+            evictable[b.block_id] = b
+        if self.num_free_blocks == self._total and self._pool._reported_waiting:
+            self._pool._report_waiting(0)
+
+    def append(self, block: Any) -> None:
+        self.append_n([block])
+
+    def remove(self, block: Any) -> None:
+        """A prefix-cache hit on a block at ref 0 (``touch``): in use again."""
+        if self.evictable.pop(block.block_id, None) is None:
+            raise AssertionError(f"kvpool: block {block.block_id} touched at ref 0 but not held as evictable")
+        self.num_free_blocks -= 1
+
+    def get_all_free_blocks(self) -> list[Any]:
+        """Every block vLLM counts as free: the space's, then the tail (LRU)."""
+        held = self.evictable
+        pool_blocks = self._pool.blocks
+        return [b for b in pool_blocks[1:] if b.ref_cnt == 0 and b.block_id not in held] + list(held.values())
 
 
 class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
     """vLLM's ``BlockPool`` contract over a kvpool :class:`~kvpool.KVSpace`."""
 
-    free_block_queue: Any  # vLLM's FreeKVCacheBlockQueue (a _ChosenBlocks view inside get_new_blocks)
+    free_block_queue: Any  # a _SpaceFreeQueue
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int, *args: Any,
                  space: KVSpace, **kwargs: Any) -> None:
@@ -115,8 +181,14 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             raise ValueError("the KV space must hold block 0 as vLLM's null block (null_block=True)")
         super().__init__(num_gpu_blocks, enable_caching, hash_block_size, *args, **kwargs)
         self.space = space
-        # Held blocks with ref_cnt 0, oldest first (dict order = LRU).
-        self._evictable: dict[int, Any] = {}
+        # vLLM built its linked list (and took block 0 from it as the null
+        # block); the space is the free queue from here on.
+        for block in self.blocks:
+            block.prev_free_block = block.next_free_block = None
+        self.free_block_queue = _SpaceFreeQueue(self)
+        self._evictable = self.free_block_queue.evictable
+        self._alloc_items = space._space.alloc_items  # the bound native calls of the hot path
+        self._available = space._space.available
         g = space.geometry
         self._page_commit_bytes = g.page_commit_bytes
         # Less room than a page holds on average: "at the edge" (see on_step).
@@ -129,7 +201,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         self._lending = False
         self._lend_pages = 0  # cached pages given back in this lending episode
         self._lend_refusals = 0  # free counts answered 0 in this episode
-        # Blocks the last free count told vLLM it could have (see _alloc_ids).
+        # Blocks the last free count told vLLM it could have (see _take).
         self._promised = 0
         self._log = get_logger(pool=space.pool.name if space.pool else None, tenant=space.name)
 
@@ -139,50 +211,40 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
     # free_blocks, for skipped blocks) in between. Reclaiming there could drop
     # a hit before it is touched; the budget is acted on at step start instead.
     def get_num_free_blocks(self) -> int:
-        queued = int(self.free_block_queue.num_free_blocks)
+        queue = self.free_block_queue
         if self._virtual_count:
-            return queued
-        free = self._free_count(queued)
+            return int(queue.num_free_blocks)
         if self._lending:
+            # A lender does not grow, not even into its own cache: vLLM sees
+            # a full cache and preempts, as it would with no memory left.
             self._lend_refusals += 1
+            self._promised = 0
+            return 0
+        free = self._available() + len(queue.evictable)
+        queued = queue.num_free_blocks
+        if free > queued:
+            free = queued
         # vLLM allocates right after this answer, trusting it: what it was
         # told it gets, even if the budget starts lending in between (issue 14).
         self._promised = free
         return free
 
-    def _free_count(self, queued: int) -> int:
-        if self._lending:
-            # A lender does not grow, not even into its own cache: vLLM sees
-            # a full cache and preempts, as it would with no memory left.
-            return 0
-        return min(queued, self.space.available() + len(self._evictable))
-
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
         if num_blocks <= 0:
             return []
-        queue: Any = self.free_block_queue
-        queued = int(queue.num_free_blocks)
         # vLLM's contract: beyond the free count is a ValueError. The count
         # vLLM last read stands even if a fresh one would say less (issue 14).
-        if num_blocks > queued or (num_blocks > self._promised and num_blocks > self._free_count(queued)):
-            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
-                             f"({max(self._promised, self._free_count(queued))} free)")
-        ids = self._alloc_ids(num_blocks)
-        chosen = [self.blocks[i] for i in ids.tolist()]
+        if num_blocks > self._promised and num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool ({self._promised} free)")
         # vLLM's own get_new_blocks does the rest (reuse callbacks, cache
-        # eviction, ref counts, metrics); only which blocks leave the queue is
-        # kvpool's choice, so it sees a queue that pops the chosen ones.
-        self.free_block_queue, self._virtual_count = _ChosenBlocks(queue, chosen), True
+        # eviction, ref counts, metrics) over the blocks the space chose
+        # (_SpaceFreeQueue.popleft_n); its own free-count check reads the
+        # virtual count, as the promise above already stands.
+        self._virtual_count = True
         try:
-            blocks: list[Any] = super().get_new_blocks(num_blocks)
-        except BaseException:
-            if not any(b.ref_cnt for b in chosen):  # failed before handing out: undo
-                self.space.free(ids)
-            raise
+            return super().get_new_blocks(num_blocks)  # type: ignore[no-any-return]
         finally:
-            self.free_block_queue, self._virtual_count = queue, False
-        assert blocks is chosen, "vLLM's BlockPool.get_new_blocks no longer pops its free queue with popleft_n"
-        return blocks
+            self._virtual_count = False
 
     def get_usage(self) -> float:
         # vLLM's "KV cache usage": blocks in use over what this engine can use
@@ -191,7 +253,12 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         # backs a fraction of the virtual blocks.
         queued = int(self.free_block_queue.num_free_blocks)
         in_use = self.num_gpu_blocks - 1 - queued
-        usable = in_use + (queued if self._virtual_count else self._free_count(queued))
+        if self._virtual_count:
+            usable = in_use + queued
+        elif self._lending:
+            usable = in_use
+        else:
+            usable = in_use + min(queued, self._available() + len(self._evictable))
         return in_use / usable if usable else (1.0 if self._lending else 0.0)
 
     def physical(self) -> dict[str, int]:
@@ -202,44 +269,6 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         return {"committed_bytes": st.committed_bytes, "used_blocks": st.used_blocks,
                 "available_blocks": st.available, "max_blocks": st.max_blocks,
                 "virtual_blocks": g.capacity - 1, "bytes_per_block": g.region_block_bytes * g.num_regions}
-
-    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
-        ordered = list(ordered_blocks)
-        super().free_blocks(ordered)
-        release: list[int] = []
-        caching, evictable, watchers = self.enable_caching, self._evictable, self._reuse_watchers
-        for block in ordered:
-            if block.ref_cnt != 0 or block.is_null or (block.pool is not None and block.pool is not self):
-                continue
-            bid = block.block_id
-            if caching and block.block_hash is not None:
-                evictable.pop(bid, None)
-                evictable[bid] = block  # most recent at the end
-            elif bid in watchers:
-                evictable[bid] = block  # unpinned: readable until reused
-            elif bid not in evictable:
-                release.append(bid)
-        if release:
-            # A block listed twice in one call reached ref 0 once: dedupe.
-            self.space.free(np.array(list(dict.fromkeys(release)), dtype=np.int64))
-        if self._reported_waiting and self.free_block_queue.num_free_blocks == self.num_gpu_blocks - 1:
-            # Nothing in use any more: an offline engine may never call again,
-            # so it must not leave "waiting" behind in the ledger.
-            self._report_waiting(0)
-
-    def touch(self, blocks: Any) -> None:
-        super().touch(blocks)
-        for block in blocks:
-            if block.ref_cnt > 0:
-                self._evictable.pop(block.block_id, None)
-
-    def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Any) -> None:
-        blocks = list(blocks)
-        super().unpin_blocks(blocks, on_reuse)
-        for block in blocks:
-            if block.ref_cnt == 0:
-                self._evictable.pop(block.block_id, None)
-                self._evictable[block.block_id] = block  # readable until reused
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         super().evict_blocks(block_ids)
@@ -285,32 +314,44 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         return self._lending
 
     # -- kvpool side -----------------------------------------------------------
-    def _alloc_ids(self, n: int) -> Any:
+    def _take(self, n: int) -> list[Any]:
+        """The blocks for vLLM's ``popleft_n(n)``: one native call that
+        answers the block objects themselves, or the shortage path."""
         # Covered by the free count vLLM just read: granted even if this
         # engine turned lender since (another process started waiting below
         # its guarantee). The next count answers 0 and vLLM preempts then.
         promised = n <= self._promised
-        deadline, waited, looked = time.monotonic() + SHORTAGE_WAIT_S, False, False
+        got = self._alloc_items(n, self.blocks, promised)
+        if type(got) is not list:
+            return self._take_short(n, promised, got)
+        self._promised = self._promised - n if promised else 0
+        if self._lending:  # granted: the space no longer lends
+            self._set_lending(self.space.budget())
+        return got
+
+    def _take_short(self, n: int, promised: bool, failure: Any) -> list[Any]:
+        """The space could not deliver all ``n``: reuse cached blocks (oldest
+        first) for what it lacks, or wait for another tenant's memory."""
+        deadline, waited = time.monotonic() + SHORTAGE_WAIT_S, False
+        # A shortage: the one other moment the budget is read.
+        self._set_lending(self.space.budget())
         while True:
             try:
-                ids = self.space.alloc(n, promised=promised)
-                self._promised = max(0, self._promised - n)
-                if waited:
-                    self._report_waiting(0)
-                if self._lending:  # granted: the space no longer lends
-                    self._set_lending(self.space.budget())
-                return ids
-            except RequestTooLarge:
-                raise  # never grantable (admission): waiting cannot help
+                alloc_failed(failure, n)  # raises; RequestTooLarge is never grantable: waiting cannot help
             except PoolExhausted as e:
-                if not looked:
-                    # A shortage: the one other moment the budget is read.
-                    looked = True
-                    self._set_lending(self.space.budget())
-                if self._evictable:
-                    # A lender gives its cache back whatever vLLM asked for.
-                    short = len(self._evictable) if self._lending else max(1, n - e.available)
-                    self._release_evictable(list(self._evictable.values())[:short])
+                evictable = self._evictable
+                reuse = min(len(evictable), n - max(0, min(n, e.available)))
+                if reuse > 0:
+                    taken = [evictable.pop(i) for i in list(itertools.islice(evictable, reuse))]
+                    rest: Any = self._alloc_items(n - reuse, self.blocks, promised) if reuse < n else []
+                    if type(rest) is list:
+                        return self._granted(n, waited, taken + rest)
+                    # The rest raced away: the taken blocks stay cached, oldest first again.
+                    kept = list(evictable.values())
+                    evictable.clear()
+                    for block in taken + kept:
+                        evictable[block.block_id] = block
+                    failure = rest
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -329,6 +370,22 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
                 self._report_waiting(1)
                 waited = True
                 self.space.wait_for_capacity(min(left, 0.05))
+            got = self._alloc_items(n, self.blocks, promised)
+            if type(got) is list:
+                return self._granted(n, waited, got)
+            failure = got
+
+    def _granted(self, n: int, waited: bool, blocks: list[Any]) -> list[Any]:
+        self._promised = max(0, self._promised - n)
+        if waited:
+            self._report_waiting(0)
+        if self._lending:
+            # A lender short of memory gives the rest of its cache back now,
+            # whatever vLLM asked for (the waiter need not wait for the next
+            # step), then reads whether it still lends.
+            self._release_evictable(list(self._evictable.values()))
+            self._set_lending(self.space.budget())
+        return blocks
 
     def _check_budget(self, num_waiting: int | None) -> None:
         """Once per step: read the budget, give back what it asks for, report want."""

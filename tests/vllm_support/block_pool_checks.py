@@ -498,6 +498,37 @@ def admission_counts_the_tenants_limit(name: str) -> None:
             raise AssertionError("the limit holds 7 blocks, the request needs 40")
 
 
+@check
+def a_round_trip_is_one_native_alloc_and_one_native_free(name: str) -> None:
+    with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
+        p.free_blocks(p.get_new_blocks(3 * PER_PAGE))  # pages committed (reserve 0: they go back)
+        for n in (1, 5, 3 * PER_PAGE):
+            before = p.space.stats()
+            blocks = p.get_new_blocks(n)
+            mid = p.space.stats()
+            p.free_blocks(blocks)
+            after = p.space.stats()
+            assert (mid.allocs - before.allocs, mid.frees - before.frees) == (1, 0), (n, before, mid)
+            assert (after.allocs - mid.allocs, after.frees - mid.frees) == (0, 1), (n, mid, after)
+            assert after.used_blocks == 0 and p.free_block_queue.num_free_blocks == N - 1
+
+
+@check
+def a_shortage_reuses_cached_blocks_oldest_first_without_a_free(name: str) -> None:
+    with block_pool(name, pages=2, caching=True) as p:
+        old = cache_and_free(p, 3)  # page 0 (3 blocks beside the null one)
+        new = cache_and_free(p, PER_PAGE)  # page 1: the whole pool is now cached
+        assert p.num_evictable_blocks == 3 + PER_PAGE and p.space.available() == 0
+        frees = p.space.stats().frees
+        got = p.get_new_blocks(2)  # nothing left in the pool: the two oldest cached blocks
+        assert [b.block_id for b in got] == [b.block_id for b in old[:2]]
+        assert cached(p, b"c%d" % got[0].block_id) is None  # their cache entries went (vLLM's eviction)
+        assert cached(p, b"c%d" % new[0].block_id) is new[0]  # the newer ones stay
+        assert p.space.stats().frees == frees and p.num_evictable_blocks == 1 + PER_PAGE
+        p.free_blocks(got)
+        assert p.free_block_queue.num_free_blocks == N - 1
+
+
 def main() -> None:
     prefix = sys.argv[1]
     results: dict[str, str] = {}
