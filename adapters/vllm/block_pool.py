@@ -58,12 +58,13 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from kvpool import BudgetStats, KVSpace, PoolExhausted
 from kvpool._core import raise_failure
+from kvpool._native import Failure
 from kvpool.space import alloc_failed
 from kvpool.tracing import get_logger
 
@@ -99,20 +100,37 @@ class _SpaceFreeQueue:
     Only the methods vLLM 0.32 calls exist: a vLLM that calls another fails
     loudly here instead of handing out wrong ids."""
 
-    __slots__ = ("num_free_blocks", "evictable", "_pool", "_free_items", "_total")
+    __slots__ = ("num_free_blocks", "evictable", "promised", "_pool", "_blocks", "_watchers", "_alloc_items",
+                 "_free_items", "_total")
 
     def __init__(self, pool: KVPoolBlockPool) -> None:
         self._pool = pool
+        self._blocks = pool.blocks
+        self._watchers = pool._reuse_watchers  # vLLM's dict (never rebound)
         self._total = pool.num_gpu_blocks - 1  # every block but vLLM's null block
         self.num_free_blocks = self._total
         # Held blocks with ref_cnt 0, oldest first (dict order = LRU).
         self.evictable: dict[int, Any] = {}
-        self._free_items = pool.space._space.free_items  # the bound native call: frees [b.block_id ...]
+        # Blocks the last free count told vLLM it could have (see get_num_free_blocks).
+        self.promised = 0
+        # The bound native calls of the hot path.
+        self._alloc_items = pool.space._space.alloc_items  # answers the block objects of the ids
+        self._free_items = pool.space._space.free_items  # frees [b.block_id ...], read natively
 
     def popleft_n(self, n: int) -> list[Any]:
-        blocks = self._pool._take(n)
+        """The blocks for vLLM's ``get_new_blocks(n)``: one native call that
+        answers the block objects themselves, or the plugin's shortage path."""
+        # Covered by the free count vLLM just read: granted even if this
+        # engine turned lender since (another process started waiting below
+        # its guarantee). The next count answers 0 and vLLM preempts then.
+        promised = n <= self.promised
+        got = self._alloc_items(n, self._blocks, promised)
+        if type(got) is list and not self._pool._lending:
+            self.promised = self.promised - n if promised else 0
+        else:
+            got = self._pool._take_short(n, promised, got)
         self.num_free_blocks -= n
-        return blocks
+        return got
 
     def popleft(self) -> Any:
         return self.popleft_n(1)[0]
@@ -120,23 +138,30 @@ class _SpaceFreeQueue:
     def prepend_n(self, blocks: list[Any]) -> None:
         """Blocks that reached ref 0 with no cache hash: back to the space
         (an unpinned one stays readable until reused: to the tail)."""
-        if not blocks:
-            return
-        self.num_free_blocks += len(blocks)
-        watchers = self._pool._reuse_watchers
-        if watchers:
-            readable = [b for b in blocks if b.block_id in watchers]
-            for b in readable:
-                self.evictable[b.block_id] = b
-            blocks = [b for b in blocks if b.block_id not in watchers]
+        if self._watchers:
+            blocks = self._keep_readable(blocks)
         if blocks:
             r = self._free_items(blocks, "block_id")
-            if not isinstance(r, int):
-                raise_failure(r, ids=True)
+            if type(r) is not int:
+                raise_failure(cast(Failure, r), ids=True)
+            self.num_free_blocks += len(blocks)
         if self.num_free_blocks == self._total and self._pool._reported_waiting:
             # Nothing in use any more: an offline engine may never call again,
             # so it must not leave "waiting" behind in the ledger.
             self._pool._report_waiting(0)
+
+    def _keep_readable(self, blocks: list[Any]) -> list[Any]:
+        """Unpinned blocks (a reuse watcher waits on them) go to the tail;
+        returns the others."""
+        watchers, evictable = self._watchers, self.evictable
+        rest = []
+        for b in blocks:
+            if b.block_id in watchers:
+                evictable[b.block_id] = b
+                self.num_free_blocks += 1
+            else:
+                rest.append(b)
+        return rest
 
     def append_n(self, blocks: list[Any]) -> None:
         """Cached (or unpinned) blocks at ref 0: held, most recent last."""
@@ -201,8 +226,6 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         self._lending = False
         self._lend_pages = 0  # cached pages given back in this lending episode
         self._lend_refusals = 0  # free counts answered 0 in this episode
-        # Blocks the last free count told vLLM it could have (see _take).
-        self._promised = 0
         self._log = get_logger(pool=space.pool.name if space.pool else None, tenant=space.name)
 
     # -- what vLLM asks ---------------------------------------------------------
@@ -218,7 +241,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             # A lender does not grow, not even into its own cache: vLLM sees
             # a full cache and preempts, as it would with no memory left.
             self._lend_refusals += 1
-            self._promised = 0
+            queue.promised = 0
             return 0
         free = self._available() + len(queue.evictable)
         queued = queue.num_free_blocks
@@ -226,7 +249,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             free = queued
         # vLLM allocates right after this answer, trusting it: what it was
         # told it gets, even if the budget starts lending in between (issue 14).
-        self._promised = free
+        queue.promised = free
         return free
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
@@ -234,8 +257,13 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             return []
         # vLLM's contract: beyond the free count is a ValueError. The count
         # vLLM last read stands even if a fresh one would say less (issue 14).
-        if num_blocks > self._promised and num_blocks > self.get_num_free_blocks():
-            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool ({self._promised} free)")
+        # Not covered by that count, the space is asked first: a grant means
+        # the count would have covered it; only a refusal needs the count
+        # (_take_short), so a round trip makes no count of its own.
+        queue = self.free_block_queue
+        if num_blocks > queue.promised and (self._lending or num_blocks > queue.num_free_blocks):
+            if num_blocks > self.get_num_free_blocks():
+                raise ValueError(f"Cannot get {num_blocks} free blocks from the pool ({queue.promised} free)")
         # vLLM's own get_new_blocks does the rest (reuse callbacks, cache
         # eviction, ref counts, metrics) over the blocks the space chose
         # (_SpaceFreeQueue.popleft_n); its own free-count check reads the
@@ -314,24 +342,27 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         return self._lending
 
     # -- kvpool side -----------------------------------------------------------
-    def _take(self, n: int) -> list[Any]:
-        """The blocks for vLLM's ``popleft_n(n)``: one native call that
-        answers the block objects themselves, or the shortage path."""
-        # Covered by the free count vLLM just read: granted even if this
-        # engine turned lender since (another process started waiting below
-        # its guarantee). The next count answers 0 and vLLM preempts then.
-        promised = n <= self._promised
-        got = self._alloc_items(n, self.blocks, promised)
-        if type(got) is not list:
-            return self._take_short(n, promised, got)
-        self._promised = self._promised - n if promised else 0
-        if self._lending:  # granted: the space no longer lends
-            self._set_lending(self.space.budget())
-        return got
-
     def _take_short(self, n: int, promised: bool, failure: Any) -> list[Any]:
-        """The space could not deliver all ``n``: reuse cached blocks (oldest
-        first) for what it lacks, or wait for another tenant's memory."""
+        """``popleft_n`` off its fast path: a grant while this engine lends
+        (the budget is read again), or a refusal: the space could not deliver
+        all ``n``, so reuse cached blocks (oldest first) for what it lacks, or
+        wait for another tenant's memory."""
+        queue = self.free_block_queue
+        if type(failure) is list:  # granted (as promised) while lending
+            queue.promised = max(0, queue.promised - n)
+            self._set_lending(self.space.budget())  # granted: the space may no longer lend
+            return failure
+        if not promised:
+            # Asked beyond the last count: now the count decides (vLLM's
+            # ValueError, nothing changed), and covers the request if it can.
+            virtual, self._virtual_count = self._virtual_count, False  # (inside vLLM's get_new_blocks)
+            try:
+                free = self.get_num_free_blocks()
+            finally:
+                self._virtual_count = virtual
+            if n > free:
+                raise ValueError(f"Cannot get {n} free blocks from the pool ({free} free)")
+            promised = True
         deadline, waited = time.monotonic() + SHORTAGE_WAIT_S, False
         # A shortage: the one other moment the budget is read.
         self._set_lending(self.space.budget())
@@ -376,7 +407,8 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             failure = got
 
     def _granted(self, n: int, waited: bool, blocks: list[Any]) -> list[Any]:
-        self._promised = max(0, self._promised - n)
+        queue = self.free_block_queue
+        queue.promised = max(0, queue.promised - n)
         if waited:
             self._report_waiting(0)
         if self._lending:
@@ -389,7 +421,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
 
     def _check_budget(self, num_waiting: int | None) -> None:
         """Once per step: read the budget, give back what it asks for, report want."""
-        self._promised = 0  # a free count promises blocks to its own step only
+        self.free_block_queue.promised = 0  # a free count promises blocks to its own step only
         b = self.space.budget()  # one native call
         self._set_lending(b)
         if self._evictable:
