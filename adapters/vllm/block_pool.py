@@ -14,16 +14,18 @@ tensors need no translation. Every vLLM block is in one of three states::
 
 Why this shape:
 
-* vLLM keeps every structure it already has (block objects, the free queue,
-  the prefix-cache map), so cache hits, events and metrics behave as before;
-  only *which* ids come out of ``get_new_blocks`` changes: the space picks
-  them best-fit by page, so used blocks pack into few committed pages.
+* vLLM keeps its block objects, prefix-cache map, events and metrics, and
+  its own ``get_new_blocks`` / ``free_blocks`` / ``touch`` / ``unpin_blocks``
+  run unchanged. Only the free block queue they call is kvpool's
+  (:class:`_SpaceFreeQueue`): the space hands out ids best-fit by page (used
+  blocks pack into few committed pages) and answers vLLM's block objects in
+  one native call per batch; freed blocks go back in one native call.
 * ``get_num_free_blocks`` is what the space can deliver now (pool budget and
   limit included) plus the evictable blocks, capped by vLLM's own count.
   ``KVCacheManager.allocate_slots`` compares against it and returns ``None``
   on a shortage: the scheduler's own "cannot schedule now", so it preempts
   and retries instead of failing.
-* A shortage in the space evicts evictable blocks, least recently freed
+* A shortage in the space reuses evictable blocks, least recently freed
   first (any freed slot sits in a committed page and is reusable at once, so
   LRU order loses no memory).
 * Fair share (DESIGN.md): the space's budget is the one judge of whether
