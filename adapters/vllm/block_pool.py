@@ -64,7 +64,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvpool import BudgetStats, KVSpace, PoolExhausted
+from kvpool import BudgetStats, KVSpace, PoolExhausted, RequestTooLarge
 from kvpool._core import raise_failure
 from kvpool._native import Failure
 from kvpool.space import alloc_failed
@@ -368,24 +368,27 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         deadline, waited = time.monotonic() + SHORTAGE_WAIT_S, False
         # A shortage: the one other moment the budget is read.
         self._set_lending(self.space.budget())
+        evictable = self._evictable
         while True:
             try:
-                alloc_failed(failure, n)  # raises; RequestTooLarge is never grantable: waiting cannot help
-            except PoolExhausted as e:
-                evictable = self._evictable
+                alloc_failed(failure, n)  # raises
+            except PoolExhausted as e:  # RequestTooLarge included
                 reuse = min(len(evictable), n - max(0, min(n, e.available)))
                 if reuse > 0:
-                    taken = [evictable.pop(i) for i in list(itertools.islice(evictable, reuse))]
+                    taken = self._take_cached(reuse)
                     rest: Any = self._alloc_items(n - reuse, self.blocks, promised) if reuse < n else []
                     if type(rest) is list:
                         return self._granted(n, waited, taken + rest)
-                    # The rest raced away: the taken blocks stay cached, oldest first again.
+                    # The rest raced away: the taken blocks stay cached, oldest
+                    # first again, and this call waits as below (no spin).
                     kept = list(evictable.values())
                     evictable.clear()
                     for block in taken + kept:
                         evictable[block.block_id] = block
-                    failure = rest
-                    continue
+                if isinstance(e, RequestTooLarge):
+                    # More than this tenant can ever hold (a lowered limit)
+                    # beyond what it holds already: waiting cannot help.
+                    raise
                 left = deadline - time.monotonic()
                 if left <= 0:
                     why = ("this engine lends its memory to a tenant below its guarantee" if self._lending
@@ -407,6 +410,12 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             if type(got) is list:
                 return self._granted(n, waited, got)
             failure = got
+
+    def _take_cached(self, k: int) -> list[Any]:
+        """The ``k`` least recently freed cached blocks, out of the cache
+        (vLLM's get_new_blocks then drops their hashes)."""
+        evictable = self._evictable
+        return [evictable.pop(i) for i in list(itertools.islice(evictable, k))]
 
     def _granted(self, n: int, waited: bool, blocks: list[Any]) -> list[Any]:
         queue = self.free_block_queue

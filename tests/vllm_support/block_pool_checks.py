@@ -529,6 +529,40 @@ def a_shortage_reuses_cached_blocks_oldest_first_without_a_free(name: str) -> No
         assert p.free_block_queue.num_free_blocks == N - 1
 
 
+@check
+def a_limit_lowered_after_the_count_refuses_at_once_what_the_cache_cannot_serve(name: str) -> None:
+    import threading
+
+    from kvpool import RequestTooLarge
+
+    with block_pool(name, pages=4, caching=True) as p:
+        cached_blocks = cache_and_free(p, 3 + PER_PAGE)  # 2 pages, all 7 blocks cached
+        free = p.get_num_free_blocks()  # vLLM's count: 2 more pages + the cache
+        assert free == 2 * PER_PAGE + 3 + PER_PAGE, free
+        p.space.set_limit(PAGE)  # an operator, between the count and the allocation: 3 blocks at most
+        before = p.space.stats()
+        outcome: list[BaseException | list[object]] = []
+
+        def ask() -> None:
+            try:
+                outcome.append(p.get_new_blocks(3 * PER_PAGE))  # promised, but beyond limit + cache
+            except BaseException as e:  # noqa: BLE001 - examined below
+                outcome.append(e)
+
+        t = threading.Thread(target=ask, daemon=True)
+        t.start()
+        t.join(120)  # a hang detector only: the refusal needs no waiting at all
+        assert outcome, "get_new_blocks hung on a request the tenant can never hold"
+        assert isinstance(outcome[0], RequestTooLarge), outcome
+        after = p.space.stats()
+        assert (after.used_blocks, after.committed_bytes) == (before.used_blocks, before.committed_bytes)
+        assert p.num_evictable_blocks == 3 + PER_PAGE and p.free_block_queue.num_free_blocks == N - 1
+        assert all(cached(p, b"c%d" % b.block_id) is b for b in cached_blocks)  # the cache is intact
+        got = p.get_new_blocks(2)  # what the cache can serve still is (no new memory)
+        assert len(got) == 2 and p.space.stats().committed_bytes == before.committed_bytes
+        p.free_blocks(got)
+
+
 def main() -> None:
     prefix = sys.argv[1]
     results: dict[str, str] = {}
