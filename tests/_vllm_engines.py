@@ -146,6 +146,37 @@ def committed(res: dict[str, Any]) -> list[int]:
 Samples = list[tuple[float, int, dict[str, int]]]  # (time, pool committed, per tenant)
 
 
+def _finish_all(procs: list[tuple[subprocess.Popen[str], pathlib.Path]], timeout: float) -> list[Any]:
+    """Every engine's report, or the first failure as soon as it happens: an
+    engine that dies fails the run at once, with its own last words, rather
+    than after its neighbours' timeouts (a neighbour may wait for it)."""
+    results: list[Any] = [None] * len(procs)
+    failures: list[BaseException] = []
+    failed = threading.Event()
+
+    def drain(i: int) -> None:
+        try:
+            results[i] = finish(procs[i][0], procs[i][1], timeout)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            failures.append(e)
+            failed.set()
+
+    threads = [threading.Thread(target=drain, args=(i,), daemon=True) for i in range(len(procs))]
+    for t in threads:
+        t.start()
+    while not failed.is_set() and any(t.is_alive() for t in threads):
+        failed.wait(0.1)
+    if failures:
+        first = failures[0]
+        for p, _ in procs:  # the others may wait for the one that died
+            if p.poll() is None:
+                p.kill()
+        for t in threads:
+            t.join()
+        raise first
+    return results
+
+
 def run_together(tmp: pathlib.Path, pool: Pool, engines: dict[str, dict[str, Any]],
                  env_extra: dict[str, str] | None = None, timeout: float = 400) -> tuple[list[Any], Samples]:
     """Start engines (tenant name -> config) in their own processes, release
@@ -170,7 +201,7 @@ def run_together(tmp: pathlib.Path, pool: Pool, engines: dict[str, dict[str, Any
             time.sleep(0.05)
         sampler.start()
         go.touch()
-        results = [finish(p, out, timeout) for p, out in procs]
+        results = _finish_all(procs, timeout)
     finally:
         stop.set()
         for p, _ in procs:

@@ -25,7 +25,7 @@ Why this shape:
   ``KVCacheManager.allocate_slots`` compares against it and returns ``None``
   on a shortage: the scheduler's own "cannot schedule now", so it preempts
   and retries instead of failing.
-* A shortage in the space reuses evictable blocks, least recently freed
+* A shortage in the space evicts evictable blocks, least recently freed
   first (any freed slot sits in a committed page and is reusable at once, so
   LRU order loses no memory).
 * Fair share (DESIGN.md): the space's budget is the one judge of whether
@@ -372,61 +372,46 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         while True:
             try:
                 alloc_failed(failure, n)  # raises
-            except PoolExhausted as e:  # RequestTooLarge included
-                reuse = min(len(evictable), n - max(0, min(n, e.available)))
-                if reuse > 0:
-                    taken = self._take_cached(reuse)
-                    rest: Any = self._alloc_items(n - reuse, self.blocks, promised) if reuse < n else []
-                    if type(rest) is list:
-                        return self._granted(n, waited, taken + rest)
-                    # The rest raced away: the taken blocks stay cached, oldest
-                    # first again, and this call waits as below (no spin).
-                    kept = list(evictable.values())
-                    evictable.clear()
-                    for block in taken + kept:
-                        evictable[block.block_id] = block
-                if isinstance(e, RequestTooLarge):
-                    # More than this tenant can ever hold (a lowered limit)
-                    # beyond what it holds already: waiting cannot help.
-                    raise
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    why = ("this engine lends its memory to a tenant below its guarantee" if self._lending
-                           else "another tenant took the budget")
-                    raise KVPoolShortage(
-                        f"kvpool: {n} blocks were free when vLLM checked but the pool has had only "
-                        f"{e.available} for {SHORTAGE_WAIT_S:.0f} s ({why})") from e
-                if not waited:
-                    self._log.warning("vllm shortage after free count", requested=n, promised=promised,
-                                      lending=self._lending, available=e.available)
-                # Another tenant's claim took the pool's free bytes after
-                # vLLM's check (a promise cannot outbid physical memory): wait
-                # for memory to come back rather than fail the step (and say
-                # so, so borrowers lend if this engine is below its guarantee).
-                self._report_waiting(1)
-                waited = True
-                self.space.wait_for_capacity(min(left, 0.05))
+            except RequestTooLarge:
+                raise  # never grantable (admission, or a limit lowered since the count): waiting cannot help
+            except PoolExhausted as e:
+                if evictable:
+                    # Cached blocks go back to the space, oldest first, and the
+                    # whole request is asked again: at least one per round (the
+                    # space's figure of what it lacks is a hint, not a promise),
+                    # all of them if this engine lends.
+                    short = len(evictable) if self._lending else max(1, n - e.available)
+                    self._release_evictable(list(itertools.islice(evictable.values(), short)))
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        why = ("this engine lends its memory to a tenant below its guarantee" if self._lending
+                               else "another tenant took the budget")
+                        raise KVPoolShortage(
+                            f"kvpool: {n} blocks were free when vLLM checked but the pool has had only "
+                            f"{e.available} for {SHORTAGE_WAIT_S:.0f} s ({why})") from e
+                    if not waited:
+                        self._log.warning("vllm shortage after free count", requested=n, promised=promised,
+                                          lending=self._lending, available=e.available)
+                    # Another tenant's claim took the pool's free bytes after
+                    # vLLM's check (a promise cannot outbid physical memory):
+                    # wait for memory to come back rather than fail the step
+                    # (and say so, so borrowers lend if this engine is below
+                    # its guarantee).
+                    self._report_waiting(1)
+                    waited = True
+                    self.space.wait_for_capacity(min(left, 0.05))
             got = self._alloc_items(n, self.blocks, promised)
             if type(got) is list:
                 return self._granted(n, waited, got)
             failure = got
-
-    def _take_cached(self, k: int) -> list[Any]:
-        """The ``k`` least recently freed cached blocks, out of the cache
-        (vLLM's get_new_blocks then drops their hashes)."""
-        evictable = self._evictable
-        return [evictable.pop(i) for i in list(itertools.islice(evictable, k))]
 
     def _granted(self, n: int, waited: bool, blocks: list[Any]) -> list[Any]:
         queue = self.free_block_queue
         queue.promised = max(0, queue.promised - n)
         if waited:
             self._report_waiting(0)
-        if self._lending:
-            # A lender short of memory gives the rest of its cache back now,
-            # whatever vLLM asked for (the waiter need not wait for the next
-            # step), then reads whether it still lends.
-            self._release_evictable(list(self._evictable.values()))
+        if self._lending:  # granted: the space may no longer lend
             self._set_lending(self.space.budget())
         return blocks
 

@@ -514,20 +514,18 @@ def a_round_trip_is_one_native_alloc_and_one_native_free(name: str) -> None:
 
 
 @check
-def a_shortage_reuses_cached_blocks_oldest_first_without_a_free(name: str) -> None:
+def a_shortage_evicts_the_oldest_cached_blocks_first(name: str) -> None:
     with block_pool(name, pages=2, caching=True) as p:
         old = cache_and_free(p, 3)  # page 0 (3 blocks beside the null one)
         new = cache_and_free(p, PER_PAGE)  # page 1: the whole pool is now cached
         assert p.num_evictable_blocks == 3 + PER_PAGE and p.space.available() == 0
-        frees = p.space.stats().frees
-        got = p.get_new_blocks(2)  # nothing left in the pool: the two oldest cached blocks
-        assert [b.block_id for b in got] == [b.block_id for b in old[:2]]
-        assert cached(p, b"c%d" % got[0].block_id) is None  # their cache entries went (vLLM's eviction)
-        assert cached(p, b"c%d" % new[0].block_id) is new[0]  # the newer ones stay
-        assert p.space.stats().frees == frees and p.num_evictable_blocks == 1 + PER_PAGE
+        got = p.get_new_blocks(2)  # nothing left in the pool: the two oldest cached blocks go
+        assert len(got) == 2 and p.num_evictable_blocks == 1 + PER_PAGE
+        assert [cached(p, b"c%d" % b.block_id) for b in old[:2]] == [None, None]
+        assert cached(p, b"c%d" % old[2].block_id) is old[2]
+        assert all(cached(p, b"c%d" % b.block_id) is b for b in new)  # the newer ones stay
         p.free_blocks(got)
         assert p.free_block_queue.num_free_blocks == N - 1
-
 
 @check
 def a_limit_lowered_after_the_count_refuses_at_once_what_the_cache_cannot_serve(name: str) -> None:
@@ -559,7 +557,7 @@ def a_limit_lowered_after_the_count_refuses_at_once_what_the_cache_cannot_serve(
         assert p.num_evictable_blocks == 3 + PER_PAGE and p.free_block_queue.num_free_blocks == N - 1
         assert all(cached(p, b"c%d" % b.block_id) is b for b in cached_blocks)  # the cache is intact
         got = p.get_new_blocks(2)  # what the cache can serve still is (no new memory)
-        assert len(got) == 2 and p.space.stats().committed_bytes == before.committed_bytes
+        assert len(got) == 2 and p.space.stats().committed_bytes <= before.committed_bytes
         p.free_blocks(got)
 
 
