@@ -208,5 +208,8 @@ def run_together(tmp: pathlib.Path, pool: Pool, engines: dict[str, dict[str, Any
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+            for pipe in (p.stdout, p.stderr):  # an engine that died first was never drained
+                if pipe is not None and not pipe.closed:
+                    pipe.close()
     assert samples
     return results, samples
