@@ -147,6 +147,9 @@ class _SpaceFreeQueue:
             if type(r) is not int:
                 raise_failure(cast(Failure, r), ids=True)
             self.num_free_blocks += len(blocks)
+        self._note_if_idle()
+
+    def _note_if_idle(self) -> None:
         if self.num_free_blocks == self._total and self._pool._reported_waiting:
             # Nothing in use any more: an offline engine may never call again,
             # so it must not leave "waiting" behind in the ledger.
@@ -173,8 +176,7 @@ class _SpaceFreeQueue:
         evictable = self.evictable
         for b in blocks:
             evictable[b.block_id] = b
-        if self.num_free_blocks == self._total and self._pool._reported_waiting:
-            self._pool._report_waiting(0)
+        self._note_if_idle()
 
     def append(self, block: Any) -> None:
         self.append_n([block])
@@ -188,8 +190,7 @@ class _SpaceFreeQueue:
     def get_all_free_blocks(self) -> list[Any]:
         """Every block vLLM counts as free: the space's, then the tail (LRU)."""
         held = self.evictable
-        pool_blocks = self._pool.blocks
-        return [b for b in pool_blocks[1:] if b.ref_cnt == 0 and b.block_id not in held] + list(held.values())
+        return [b for b in self._blocks[1:] if b.ref_cnt == 0 and b.block_id not in held] + list(held.values())
 
 
 class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
@@ -214,8 +215,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue = _SpaceFreeQueue(self)
         self._evictable = self.free_block_queue.evictable
-        self._alloc_items = space._space.alloc_items  # the bound native calls of the hot path
-        self._available = space._space.available
+        self._available = space._space.available  # the bound native call of the free count
         g = space.geometry
         self._page_commit_bytes = g.page_commit_bytes
         # Less room than a page holds on average: "at the edge" (see on_step).
@@ -351,9 +351,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         wait for another tenant's memory."""
         queue = self.free_block_queue
         if type(failure) is list:  # granted (as promised) while lending
-            queue.promised = max(0, queue.promised - n)
-            self._set_lending(self.space.budget())  # granted: the space may no longer lend
-            return failure
+            return self._granted(n, False, failure)
         if not promised:
             # Asked beyond the last count: now the count decides (vLLM's
             # ValueError, nothing changed), and covers the request if it can.
@@ -401,7 +399,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
                     self._report_waiting(1)
                     waited = True
                     self.space.wait_for_capacity(min(left, 0.05))
-            got = self._alloc_items(n, self.blocks, promised)
+            got = queue._alloc_items(n, self.blocks, promised)
             if type(got) is list:
                 return self._granted(n, waited, got)
             failure = got
