@@ -152,6 +152,17 @@ nb::object free_ids(Space& s, const int64_t* data, int64_t n) {
     return nb::cast(Failure{static_cast<int>(st.code), std::move(st.message), available, 0, std::move(bad)});
 }
 
+// Space::alloc as every alloc binding runs it: non-blocking with the GIL
+// held, then (if the core would block) again without it.
+Status run_alloc(Space& s, int64_t n, int64_t* out, bool promised, int64_t* available) {
+    Status st = s.alloc(n, out, available, nullptr, /*nonblocking=*/true, promised);
+    if (st.code == Code::WouldBlock) {
+        nb::gil_scoped_release nogil;
+        st = s.alloc(n, out, available, nullptr, /*nonblocking=*/false, promised);
+    }
+    return st;
+}
+
 // Space::alloc as the binding runs it: non-blocking with the GIL held, then
 // (if the core would block) again without it.
 nb::object alloc_ids(Space& s, int64_t n, bool promised) {
@@ -160,11 +171,7 @@ nb::object alloc_ids(Space& s, int64_t n, bool promised) {
     // touching it.
     nb::object ids = new_int64_array(n > 0 && n <= s.capacity() ? n : 0, &data);
     int64_t available = 0;
-    Status st = s.alloc(n, data, &available, nullptr, /*nonblocking=*/true, promised);
-    if (st.code == Code::WouldBlock) {
-        nb::gil_scoped_release nogil;
-        st = s.alloc(n, data, &available, nullptr, /*nonblocking=*/false, promised);
-    }
+    Status st = run_alloc(s, n, data, promised, &available);
     if (st.is_ok()) return ids;
     return failed_alloc(s, std::move(st), available);
 }
@@ -180,11 +187,7 @@ nb::object alloc_items(Space& s, int64_t n, nb::handle items, bool promised) {
     thread_local std::vector<int64_t> ids;
     ids.resize(static_cast<size_t>(n > 0 && n <= s.capacity() ? n : 0));
     int64_t available = 0;
-    Status st = s.alloc(n, ids.data(), &available, nullptr, /*nonblocking=*/true, promised);
-    if (st.code == Code::WouldBlock) {
-        nb::gil_scoped_release nogil;
-        st = s.alloc(n, ids.data(), &available, nullptr, /*nonblocking=*/false, promised);
-    }
+    Status st = run_alloc(s, n, ids.data(), promised, &available);
     if (!st.is_ok()) return failed_alloc(s, std::move(st), available);
     PyObject* out = PyList_New(static_cast<Py_ssize_t>(n));
     if (out == nullptr) {  // no memory for the answer: give the blocks back
