@@ -30,10 +30,7 @@ The points, in the order they act:
 2. ``EngineCore._initialize_kv_caches``: the scheduler's ``KVCacheConfig``
    is a deep copy taken before (1); attach the same handle to it.
 3. ``allocate_kv_cache`` (worker; also under the name
-   ``gpu_model_runner``, ``gpu.attn_utils`` and ``hisparse.binding``
-   imported, if imported before the rows that set: point 7's import of
-   ``cpu_worker`` brings ``gpu_model_runner`` in, so these rows are
-   resolved after every importing row):
+   ``gpu_model_runner`` imported, if it was imported before the plugin):
    view that memory instead of allocating a zeroed buffer. The views are
    vLLM's own (``create_kv_cache_views``) with the layer stride of the
    space's regions.
@@ -197,11 +194,7 @@ def _restore(done: Sequence[_Applied]) -> None:
 def _apply(points: Sequence[PatchPoint]) -> list[_Applied]:
     """Resolve every point, then set them all; on any failure restore all."""
     resolved: list[tuple[PatchPoint, Any, str, Any]] = []
-    # Rows that import their module first: an import can bring in a module an
-    # ``if_imported`` row names (cpu_worker imports gpu_model_runner, which
-    # binds its own ``allocate_kv_cache`` from the unpatched original), so
-    # those rows are judged only once every import is done.
-    for point in sorted(points, key=lambda p: p.if_imported):
+    for point in points:
         try:
             r = _resolve(point)
         except (ImportError, AttributeError) as e:
@@ -421,7 +414,6 @@ PATCHES: tuple[PatchPoint, ...] = (
     PatchPoint("vllm.v1.worker.utils", "allocate_kv_cache", _allocate_kv_cache),
     PatchPoint("vllm.v1.worker.gpu_model_runner", "allocate_kv_cache", _allocate_kv_cache, if_imported=True),
     PatchPoint("vllm.v1.worker.gpu.attn_utils", "allocate_kv_cache", _allocate_kv_cache, if_imported=True),
-    PatchPoint("vllm.v1.hisparse.binding", "allocate_kv_cache", _allocate_kv_cache, if_imported=True),
     PatchPoint("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.__init__", _coordinator_init),
     PatchPoint("vllm.v1.core.kv_cache_coordinator", "BlockPool", _block_pool_class),
     PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler.schedule", _schedule),
