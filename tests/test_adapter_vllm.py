@@ -14,7 +14,6 @@ timestamps: a loaded machine changes how long things take, not their order.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -101,36 +100,6 @@ def test_multiprocess_worker_maps_the_schedulers_memory(
     assert views[0]["shared_file"] is True
     assert views[0]["owner_pid"] == created[0]["pid"] != views[0]["pid"]
     assert max(committed(res)) >= 2 * UNIT
-
-
-def _largest_node_memory() -> int:
-    """The most memory any NUMA node has (what vLLM's CPU worker compares a KV size with)."""
-    totals = [int(line.split()[3]) * 1024 for path in pathlib.Path("/sys/devices/system/node").glob("node*/meminfo")
-              for line in path.read_text().splitlines() if line.split()[2:3] == ["MemTotal:"]]
-    return max(totals, default=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-def test_a_server_sized_beyond_its_nodes_memory_starts_and_commits_within_the_pool(
-        tiny_model: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path) -> None:
-    # Regression: the several-models recipe sizes each server's KV cache at the
-    # whole pool (8 GiB), and vLLM's CPU worker refuses an explicit KV size
-    # above its NUMA node's available memory. Under the plugin that size is
-    # virtual, yet a server failed to start whenever the node's free memory
-    # dipped below it (two servers loading at once on a 9 GiB node, in a
-    # stress run). Worker in its own process, as in the server.
-    virtual = _largest_node_memory() + (1 << 30)
-    cfg = {"model": tiny_model, "kv_cache_memory_bytes": virtual, "in_process": False}
-    proc, out_path = run_engine(tmp_path, dict(cfg, phases=[phase(PROMPTS[:1])]), plugin=False, wait=False)
-    _, stderr = proc.communicate(timeout=400)
-    assert proc.returncode != 0 and not out_path.exists()  # stock vLLM: the premise
-    assert "Available memory on node" in stderr, stderr[-4000:]
-    cap = 6 * UNIT
-    Pool(pool_name, capacity=cap)
-    res = run_engine(tmp_path, dict(cfg, phases=[phase(PROMPTS)]), plugin=True, pool=pool_name, tenant="virtual")
-    assert res["phases"][0]["tokens"] == reference["p1"]
-    assert 0 < max(committed(res)) <= cap
-    started = [e for e in res["events"] if e.get("event") == "vllm space created"]
-    assert started and started[0]["num_blocks"] * (UNIT // 8) >= virtual - UNIT, started  # the size vLLM asked
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])

@@ -48,12 +48,6 @@ The points, in the order they act:
    the block pool can give cached pages back to a pool that wants them, on
    the engine's own thread (vLLM's structures are not thread-safe, and an
    idle engine otherwise runs no scheduler call at all).
-7. ``CPUWorker.determine_available_memory`` (CPU worker): vLLM refuses an
-   explicit KV size above its NUMA node's available memory, a check for the
-   buffer it would allocate; under the plugin that size is virtual and the
-   pool backs it, so the size is taken as given (vLLM's warm-up still runs).
-   Without it a server sized at the whole pool failed to start whenever the
-   node's free memory dipped below the pool (two servers loading at once).
 
 Where vLLM's KV tensors lie in the space (one layer slot per region; hybrid
 groups overlay each other, as in vLLM) is :mod:`.layout`'s concept.
@@ -346,28 +340,6 @@ def _allocate_slots(original: Any) -> Any:
     return allocate_slots
 
 
-def _cpu_available_memory(original: Any) -> Any:
-    # vLLM's CPU worker refuses an explicit KV size (--kv-cache-memory-bytes,
-    # VLLM_CPU_KVCACHE_SPACE) above its NUMA node's available memory: a check
-    # for the zeroed buffer it would allocate. Under the plugin that size is
-    # the virtual capacity (README: size each server at the whole pool); the
-    # memory is committed page by page within the pool, whose capacity is
-    # checked against the machine when it is created and whose fit for one
-    # request is checked at start-up (point 1). So the node's memory is not
-    # compared with the virtual size; vLLM's warm-up runs as before.
-    def determine_available_memory(self: Any) -> int:
-        explicit = self.cache_config.kv_cache_memory_bytes
-        if explicit is None:  # sized as a fraction of the node: vLLM's own rule
-            return int(original(self))
-        if self._should_warm_up_model():
-            self.model_runner.warming_up_model()
-        _vllm_log.info("kvpool: the KV cache's %d bytes are virtual; the pool commits them page by page "
-                       "(vLLM's check against this node's free memory does not apply)", explicit)
-        return int(explicit)
-
-    return determine_available_memory
-
-
 class _IdleAwareQueue(queue.Queue):  # type: ignore[type-arg]
     """The engine core's input queue: a blocking get wakes up while idle."""
 
@@ -419,7 +391,6 @@ PATCHES: tuple[PatchPoint, ...] = (
     PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler.schedule", _schedule),
     PatchPoint("vllm.v1.core.kv_cache_manager", "KVCacheManager.allocate_slots", _allocate_slots),
     PatchPoint("vllm.v1.engine.core", "EngineCoreProc._process_input_queue", _process_input_queue),
-    PatchPoint("vllm.v1.worker.cpu_worker", "CPUWorker.determine_available_memory", _cpu_available_memory),
 )
 
 
