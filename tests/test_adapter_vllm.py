@@ -3,8 +3,9 @@
 Each engine runs in a child process of the vLLM venv ($KVPOOL_VLLM_PYTHON,
 set by scripts/test.sh) through tests/vllm_support/run_engine.py, which
 reports its greedy tokens and samples the pool's ledger. The reference is
-the same engine without the plugin. Commit unit here: 64 KiB pages x 2
-layers = 128 KiB = 8 blocks of 32 tokens.
+the same engine without the plugin, both in float32 (tests/_vllm_engines.py
+says why). Commit unit here: 128 KiB pages x 2 layers = 256 KiB = 8 blocks
+of 32 tokens.
 
 Phases of engines that run together are ordered by events (files an engine
 creates when a phase ends and another waits for), never by sleeps or
@@ -14,6 +15,7 @@ timestamps: a loaded machine changes how long things take, not their order.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -100,6 +102,36 @@ def test_multiprocess_worker_maps_the_schedulers_memory(
     assert views[0]["shared_file"] is True
     assert views[0]["owner_pid"] == created[0]["pid"] != views[0]["pid"]
     assert max(committed(res)) >= 2 * UNIT
+
+
+def _largest_node_memory() -> int:
+    """The most memory any NUMA node has (what vLLM's CPU worker compares a KV size with)."""
+    totals = [int(line.split()[3]) * 1024 for path in pathlib.Path("/sys/devices/system/node").glob("node*/meminfo")
+              for line in path.read_text().splitlines() if line.split()[2:3] == ["MemTotal:"]]
+    return max(totals, default=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def test_a_server_sized_beyond_its_nodes_memory_starts_and_commits_within_the_pool(
+        tiny_model: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path) -> None:
+    # Regression: the several-models recipe sizes each server's KV cache at the
+    # whole pool (8 GiB), and vLLM's CPU worker refuses an explicit KV size
+    # above its NUMA node's available memory. Under the plugin that size is
+    # virtual, yet a server failed to start whenever the node's free memory
+    # dipped below it (two servers loading at once on a 9 GiB node, in a
+    # stress run). Worker in its own process, as in the server.
+    virtual = _largest_node_memory() + (1 << 30)
+    cfg = {"model": tiny_model, "kv_cache_memory_bytes": virtual, "in_process": False}
+    proc, out_path = run_engine(tmp_path, dict(cfg, phases=[phase(PROMPTS[:1])]), plugin=False, wait=False)
+    _, stderr = proc.communicate(timeout=400)
+    assert proc.returncode != 0 and not out_path.exists()  # stock vLLM: the premise
+    assert "Available memory on node" in stderr, stderr[-4000:]
+    cap = 6 * UNIT
+    Pool(pool_name, capacity=cap)
+    res = run_engine(tmp_path, dict(cfg, phases=[phase(PROMPTS)]), plugin=True, pool=pool_name, tenant="virtual")
+    assert res["phases"][0]["tokens"] == reference["p1"]
+    assert 0 < max(committed(res)) <= cap
+    started = [e for e in res["events"] if e.get("event") == "vllm space created"]
+    assert started and started[0]["num_blocks"] * (UNIT // 8) >= virtual - UNIT, started  # the size vLLM asked
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
@@ -212,7 +244,7 @@ def test_a_borrowing_engine_preempts_for_a_tenant_below_its_guarantee_and_finish
     cap = 6 * UNIT
     pool = Pool(pool_name, capacity=cap)
     b_page = UNIT // 2
-    b_geometry = Geometry(1, 1, b_page // 4, 64, page_bytes=b_page)  # 4 blocks per 64 KiB page
+    b_geometry = Geometry(1, 1, b_page // 4, 64, page_bytes=b_page)  # 4 blocks per 128 KiB page
     with KVSpace(b_geometry, pool=pool, name="b", reserve_thread=False, reserve=(0, 0)) as b:
         ready, go = tmp_path / "a-holds-the-pool", tmp_path / "b-waits"
         barrier = {"committed_bytes": cap, "ready_file": str(ready), "go_file": str(go)}

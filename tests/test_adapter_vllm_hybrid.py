@@ -26,19 +26,20 @@ import pytest
 
 from kvpool import Pool
 
-from ._vllm_engines import (MAX_TOKENS, PAGE, build_model, committed, phase, pool_name, prompts,  # pool_name: a fixture
+from ._vllm_engines import (MAX_TOKENS, build_model, committed, phase, pool_name, prompts,  # pool_name: a fixture
                             require_vllm, run_engine)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 require_vllm()
 
+PAGE = 64 << 10  # 4 blocks a page
 UNIT = PAGE  # one region: a commit is one page
 BLOCK = 16 << 10  # 32 tokens x 2 KV heads x 32 x float32, K and V
 # max_model_len 512 with 256-token chunks: one request holds at most 16
 # full-attention blocks and 5 x 11 sliding-window blocks (vLLM's own
 # per-group figures): 71 blocks, 18 pages with the null block.
-ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 256, "dtype": "float32"}
+ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 256, "dtype": "float32", "page_bytes": PAGE}
 PROMPTS = prompts(0)
 PROMPTS_2 = [(p[:64] if len(p) > 64 else []) + q for p, q in zip(PROMPTS, prompts(1))]
 

@@ -2,9 +2,15 @@
 
 A tiny random DeepSeek-V2 (tests/vllm_support/tiny_deepseek_v2.py): MLA
 keeps one latent buffer per layer (576 values a token), one KV cache group,
-one tensor. vLLM on CPU forces block_size 16 for it and turns prefix caching
-off (so only "off" can be tested here). Blocks are 18 KiB; a 72 KiB page
-holds 4 of them, 2 layers make a 144 KiB commit.
+one tensor. vLLM on CPU has two MLA backends and each test names the one it
+runs: the reference ``CPU_MLA`` (every x86 CPU; vLLM forces block_size 16
+and turns prefix caching off for it) and ``AMX_MLA`` (vLLM's default on a
+CPU with AMX tiles; block sizes a multiple of 32; skipped elsewhere). Left
+to vLLM, the same test ran another kernel at another geometry on another
+machine, and block_size 16 failed at start-up on AMX. Prefix caching is off
+in both (the reference backend allows nothing else). With the reference
+backend blocks are 18 KiB; a 72 KiB page holds 4 of them, 2 layers make a
+144 KiB commit.
 
 The pool here is large enough that vLLM never preempts: on this model a
 preempted request is recomputed through MLA's prefill path, whose numerics
@@ -30,13 +36,41 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 require_vllm()
 
-BLOCK = 16 * 576 * 2  # 16 tokens x 576 latent values x bf16
-PAGE = 4 * BLOCK
-UNIT = 2 * PAGE  # two layers
-ENGINE = {"max_model_len": 512, "block_size": 16}
-PLUGIN_ENV = {"KVPOOL_VLLM_PAGE_BYTES": str(PAGE), "KVPOOL_VLLM_IDLE_RELEASE_S": "0"}
+# vLLM's two CPU MLA backends and the block size each takes: the reference
+# kernels (every x86 CPU) and the AMX kernels (CPUs with AMX tiles, which
+# vLLM picks by default there).
+BACKENDS = {"CPU_MLA": 16, "AMX_MLA": 32}
 PROMPTS = prompts(0)
 PROMPTS_2 = prompts(1)
+
+
+def _has_amx() -> bool:
+    try:
+        return "amx_tile" in pathlib.Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+class Backend:
+    """One MLA backend's engine settings and the kvpool geometry they give:
+    a block is block_size tokens x 576 latent values x bf16, a page holds 4
+    blocks, a commit covers both layers."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.block_size = name, BACKENDS[name]
+        self.block = self.block_size * 576 * 2
+        self.page = 4 * self.block
+        self.unit = 2 * self.page
+        self.engine = {"max_model_len": 512, "block_size": self.block_size, "attention_backend": name,
+                       "dtype": "bfloat16"}
+        self.plugin_env = {"KVPOOL_VLLM_PAGE_BYTES": str(self.page), "KVPOOL_VLLM_IDLE_RELEASE_S": "0"}
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def backend(request: pytest.FixtureRequest) -> Backend:
+    if request.param == "AMX_MLA" and not _has_amx():
+        pytest.skip("vLLM's AMX MLA backend needs a CPU with AMX tiles")
+    return Backend(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +79,10 @@ def deepseek(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(deepseek: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[int]]]:
+def reference(deepseek: str, backend: Backend, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[int]]]:
     res = run_engine(tmp_path_factory.mktemp("mla-reference"),
-                     {"model": deepseek, **ENGINE, "phases": [phase(PROMPTS), phase(PROMPTS_2)]}, plugin=False)
+                     {"model": deepseek, **backend.engine, "phases": [phase(PROMPTS), phase(PROMPTS_2)]},
+                     plugin=False)
     assert sum(ph["preemptions"] for ph in res["phases"]) == 0
     outs = res["phases"][0]["tokens"] + res["phases"][1]["tokens"]
     # A random model whose greedy output ignored its input would compare
@@ -57,19 +92,22 @@ def reference(deepseek: str, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 
 def test_an_mla_engine_is_elastic_and_identical_to_stock(
-        deepseek: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path) -> None:
-    Pool(pool_name, capacity=256 * UNIT)  # 1,023 blocks: the ten prompts hold about 111 at most
-    res = run_engine(tmp_path, {"model": deepseek, **ENGINE, "phases": [phase(PROMPTS), phase(PROMPTS_2, sleep_s=0.3)]},
-                     plugin=True, pool=pool_name, tenant="mla", env_extra=PLUGIN_ENV)
+        deepseek: str, backend: Backend, reference: dict[str, list[list[int]]], pool_name: str,
+        tmp_path: pathlib.Path) -> None:
+    unit = backend.unit
+    Pool(pool_name, capacity=256 * unit)  # 1,023 blocks: the ten prompts hold at most about 111 (of 16 tokens)
+    res = run_engine(tmp_path, {"model": deepseek, **backend.engine,
+                                "phases": [phase(PROMPTS), phase(PROMPTS_2, sleep_s=0.3)]},
+                     plugin=True, pool=pool_name, tenant="mla", env_extra=backend.plugin_env)
     assert res["phases"][0]["tokens"] == reference["p1"]
     assert res["phases"][1]["tokens"] == reference["p2"]
     assert sum(ph["preemptions"] for ph in res["phases"]) == 0
     created = [e for e in res["events"] if e["event"] == "vllm space created"]
-    assert len(created) == 1 and created[0]["num_layers"] == 2 and created[0]["block_bytes"] == BLOCK, created
+    assert len(created) == 1 and created[0]["num_layers"] == 2 and created[0]["block_bytes"] == backend.block, created
     c = committed(res)
     peak = max(c)
-    assert peak >= 8 * UNIT and c[0] < peak  # rose with the load (32 blocks and more)...
-    assert min(c[c.index(peak):]) <= peak - 2 * UNIT  # ...and fell after it
+    assert peak >= 8 * unit and c[0] < peak  # rose with the load (32 blocks and more)...
+    assert min(c[c.index(peak):]) <= peak - 2 * unit  # ...and fell after it
 
 
 def test_an_mla_engines_worker_process_maps_the_latent_buffer(
@@ -79,14 +117,16 @@ def test_an_mla_engines_worker_process_maps_the_latent_buffer(
     # stock vLLM too (measured: two stock runs at different times differed in
     # 7 of 10 outputs, two others agreed), so tokens are not compared here:
     # the worker maps the engine core's latent buffer, serves every request
-    # to its length, and memory rises with the load.
-    pool = Pool(pool_name, capacity=256 * UNIT)
-    res = run_engine(tmp_path, {"model": deepseek, **ENGINE, "in_process": False, "phases": [phase(PROMPTS)]},
-                     plugin=True, pool=pool_name, tenant="mla-mp", env_extra=PLUGIN_ENV)
+    # to its length, and memory rises with the load. The reference backend,
+    # which every x86 CPU runs.
+    backend = Backend("CPU_MLA")
+    pool = Pool(pool_name, capacity=256 * backend.unit)
+    res = run_engine(tmp_path, {"model": deepseek, **backend.engine, "in_process": False, "phases": [phase(PROMPTS)]},
+                     plugin=True, pool=pool_name, tenant="mla-mp", env_extra=backend.plugin_env)
     views = [e for e in res["events"] if e["event"] == "vllm worker views"]
     assert len(views) == 1 and views[0]["shared_file"] is True and views[0]["tensors"] == 1, views
     created = [e for e in res["events"] if e["event"] == "vllm space created"]
     assert views[0]["owner_pid"] == created[0]["pid"] != views[0]["pid"]
     assert [len(t) for t in res["phases"][0]["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
-    assert max(committed(res)) >= 8 * UNIT
+    assert max(committed(res)) >= 8 * backend.unit
     assert max(total for _, total, _, _ in res["samples"]) <= pool.capacity

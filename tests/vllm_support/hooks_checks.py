@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import vllm
 
 from kvpool.adapters.vllm import _hooks as H
+from kvpool.adapters.vllm import _patching as P
 
 CHECKS: dict[str, Callable[[], None]] = {}
 
@@ -32,7 +35,7 @@ def targets() -> dict[str, Any]:
     """What every patch point's attribute is bound to right now."""
     out: dict[str, Any] = {}
     for point in H.PATCHES:
-        r = H._resolve(point)
+        r = P.resolve(point)
         if r is None:
             continue
         owner, leaf, _ = r
@@ -46,6 +49,7 @@ def assert_stock(stock: dict[str, Any]) -> None:
     changed = [name for name in stock if now[name] is not stock[name]]
     assert not changed, f"still patched: {changed}"
     assert not H.installed()
+    assert not any(isinstance(f, P._OnImport) for f in sys.meta_path), "the import hook is still in place"
 
 
 def assert_patched_once(stock: dict[str, Any]) -> None:
@@ -90,6 +94,75 @@ def a_patch_point_failing_midway_leaves_vllm_unpatched_and_a_second_install_is_c
     assert_stock(stock)
 
 
+def _fresh(code: str) -> Any:
+    """Run ``code`` in a fresh process (as an engine installs the plugin); its last stdout line as JSON."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@check
+def the_cpu_workers_row_is_set_when_vllm_imports_it_and_install_never_imports_it() -> None:
+    # Regression: a row that imported vLLM's CPU worker at install loaded it
+    # in the engine-core process too, where it patches torch process-wide
+    # (torch.Event, pin_memory, ...) and imports gpu_model_runner, which then
+    # bound the unpatched allocate_kv_cache (engines allocated vLLM's own KV
+    # cache), and a TP=2 engine's ranks started differently.
+    report = _fresh(
+        "import sys, json, torch\n"
+        "from kvpool.adapters.vllm import _hooks as H\n"
+        "stock_event = torch.Event\n"
+        "H.install()\n"
+        "r = {'imported_at_install': 'vllm.v1.worker.cpu_worker' in sys.modules,\n"
+        "     'torch_untouched': torch.Event is stock_event}\n"
+        "import vllm.v1.worker.cpu_worker as w\n"
+        "r['row'] = getattr(w.CPUWorker.determine_available_memory, '__kvpool_patch__', None)\n"
+        "r['unpatched_allocate_kv_cache'] = sorted(n for n, m in list(sys.modules.items()) if n.startswith('vllm.')\n"
+        "    and callable(getattr(m, 'allocate_kv_cache', None))\n"
+        "    and getattr(m.allocate_kv_cache, '__kvpool_patch__', None) is None)\n"
+        "H.uninstall()\n"
+        "r['after_uninstall'] = getattr(w.CPUWorker.determine_available_memory, '__kvpool_patch__', None)\n"
+        "print(json.dumps(r))\n")
+    assert report == {"imported_at_install": False, "torch_untouched": True,
+                      "row": "vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory",
+                      "unpatched_allocate_kv_cache": [], "after_uninstall": None}, report
+
+
+@check
+def an_on_import_row_that_does_not_resolve_fails_vllms_import_by_name() -> None:
+    report = _fresh(
+        "import json\n"
+        "from kvpool.adapters.vllm import _hooks as H\n"
+        "gone = H.PatchPoint('vllm.v1.worker.cpu_worker', 'CPUWorker.renamed', lambda o: o, on_import=True)\n"
+        "H.install(H.PATCHES + (gone,))\n"
+        "try:\n"
+        "    import vllm.v1.worker.cpu_worker\n"
+        "    r = 'imported'\n"
+        "except H.UnsupportedVLLM as e:\n"
+        "    r = str(e)\n"
+        "print(json.dumps(r))\n")
+    assert "vllm.v1.worker.cpu_worker.CPUWorker.renamed" in report, report
+
+
+@check
+def an_explicit_kv_size_is_virtual_on_cpu_after_vllms_warm_up() -> None:
+    from types import SimpleNamespace
+
+    calls: list[str] = []
+    row = next(p for p in H.PATCHES if p.attr == "CPUWorker.determine_available_memory")
+    replacement = row.make(lambda self: calls.append("vllm's own rule") or 123)
+    runner = SimpleNamespace(warming_up_model=lambda: calls.append("warm-up"))
+    worker = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=None), model_runner=runner,
+                             _should_warm_up_model=lambda: True)
+    assert replacement(worker) == 123 and calls == ["vllm's own rule"]  # a fraction of the node: vLLM decides
+    calls.clear()
+    worker.cache_config.kv_cache_memory_bytes = 1 << 50  # beyond any node: virtual
+    assert replacement(worker) == 1 << 50 and calls == ["warm-up"]
+    calls.clear()
+    worker._should_warm_up_model = lambda: False
+    assert replacement(worker) == 1 << 50 and calls == []
+
+
 @check
 def an_unresolvable_patch_point_refuses_by_name_and_patches_nothing() -> None:
     stock = targets()
@@ -127,17 +200,17 @@ def install_twice_wraps_once_and_uninstall_restores_every_original() -> None:
 def an_untested_vllm_release_is_refused_naming_the_range_unless_forced() -> None:
     stock = targets()
     real = vllm.__version__
-    os.environ.pop(H.ALLOW_UNTESTED_ENV, None)
+    os.environ.pop(P.ALLOW_UNTESTED_ENV, None)
     try:
         for ok in ("0.32.0", "0.32.7", "0.32.0+cpu", "0.32.1.dev3"):
-            H.check_version(ok)
+            P.check_version(ok)
         for bad in ("0.33.0", "0.31.2", "1.0.0", "unknown"):
             vllm.__version__ = bad
             try:
                 H.install()
             except H.UnsupportedVLLM as e:
                 msg = str(e)
-                assert ">=0.32,<0.33" in msg and f"vLLM {bad}" in msg and H.ALLOW_UNTESTED_ENV in msg, msg
+                assert ">=0.32,<0.33" in msg and f"vLLM {bad}" in msg and P.ALLOW_UNTESTED_ENV in msg, msg
             else:
                 raise AssertionError(f"vLLM {bad} must be refused")
             assert_stock(stock)
@@ -148,18 +221,18 @@ def an_untested_vllm_release_is_refused_naming_the_range_unless_forced() -> None
                 records.append(record)
 
         keep = Keep()
-        H._vllm_log.addHandler(keep)
-        os.environ[H.ALLOW_UNTESTED_ENV] = "1"
+        P._vllm_log.addHandler(keep)
+        os.environ[P.ALLOW_UNTESTED_ENV] = "1"
         try:
             H.install()  # forced: patched, with a warning naming the range
             assert_patched_once(stock)
         finally:
-            H._vllm_log.removeHandler(keep)
+            P._vllm_log.removeHandler(keep)
             H.uninstall()
         assert any(r.levelno == logging.WARNING and ">=0.32,<0.33" in r.getMessage() for r in records), records
     finally:
         vllm.__version__ = real
-        os.environ.pop(H.ALLOW_UNTESTED_ENV, None)
+        os.environ.pop(P.ALLOW_UNTESTED_ENV, None)
     assert_stock(stock)
 
 

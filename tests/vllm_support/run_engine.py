@@ -7,7 +7,8 @@ imports kvpool's adapters itself, so it measures vLLM as an operator runs it.
 
 CONFIG keys: model, dtype (default bfloat16), phases (list of {prompts: [[token ids]], max_tokens,
 limit_bytes?, sleep_s?, wait_file?, done_file?, barrier?}), prefix_caching,
-kv_cache_memory_bytes, max_num_seqs, block_size, max_model_len, in_process
+kv_cache_memory_bytes, max_num_seqs, block_size, max_model_len, attention_backend (a vLLM
+backend name; default vLLM's choice), in_process
 (bool), tensor_parallel_size (default 1; ranks are worker processes, one
 core each), tenant (for limits), pool (sampled every few ms when set),
 ready_file / go_file (optional start barrier).
@@ -72,6 +73,7 @@ def main() -> None:
         tensor_parallel_size=tp,
         enable_prefix_caching=cfg.get("prefix_caching", False), enforce_eager=True, seed=0,
         max_num_seqs=cfg.get("max_num_seqs", 8), max_num_batched_tokens=cfg.get("max_num_batched_tokens", 1024),
+        attention_backend=cfg.get("attention_backend"),
     )
     init_s = time.monotonic() - t0
 
