@@ -11,7 +11,7 @@ order, see exactly one waiting request per engine, as a server's scheduler
 does. Time waiting for memory is counted from when a request joined the
 queue to its grant, every time it joins (arrival, and each preemption).
 
-Preemption (DESIGN.md, fair share, rule 5). While this tenant *lends* (it
+Preemption (ARCHITECTURE.md, fair share, rule 5). While this tenant *lends* (it
 holds more than its guarantee while a tenant below its own waits) the pool
 refuses its allocs and gives its emptied pages back at once, but memory held
 by running requests stays held until they finish: a lender whose requests

@@ -1,7 +1,7 @@
 """The limit and guarantee side of a :class:`~kvpool.KVCacheManager`: setting
 them (revisioned), and tracing the native budget's verdicts as they change.
 
-The native budget owns every figure and verdict (DESIGN.md, "Fair share");
+The native budget owns every figure and verdict (ARCHITECTURE.md, "Fair share");
 this mixin only forwards settings and logs what the budget decided. Split
 from :mod:`kvpool.manager`, which holds the queueing and the hot path.
 """

@@ -1,4 +1,4 @@
-"""Argument checks shared by every public entry point (DESIGN.md, invariant 10).
+"""Argument checks shared by every public entry point (ARCHITECTURE.md, invariant 10).
 
 Each check runs before any state changes and raises with a message that names
 the argument and the value it got. Numbers bound for the native core must fit

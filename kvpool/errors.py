@@ -1,4 +1,4 @@
-"""One error hierarchy for kvpool, by cause (DESIGN.md, "Errors").
+"""One error hierarchy for kvpool, by cause (ARCHITECTURE.md, "Errors").
 
 An expected shortage is :class:`PoolExhausted` and carries the numbers;
 misuse is :class:`InvalidBlocks` / :class:`GeometryError` (both

@@ -1,4 +1,4 @@
-"""KV-space geometry: one formula for pages and blocks (DESIGN.md, "Geometry").
+"""KV-space geometry: one formula for pages and blocks (ARCHITECTURE.md, "Geometry").
 
 A space has ``R`` regions (``num_layers * num_kv_buffers`` for the per-layer
 layout, one for the contiguous layout). Page ``p`` is ``page_bytes`` at the

@@ -82,7 +82,7 @@ class KVCacheManager(_LimitsMixin):
         limit_bytes: initial cap on committed bytes (revision 0).
         guarantee_bytes: in a pool, bytes this tenant can always get back
             (revision 0; ``None``: an equal share of the pool among its
-            tenants). See DESIGN.md, "Fair share".
+            tenants). See ARCHITECTURE.md, "Fair share".
     """
 
     def __init__(

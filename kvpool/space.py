@@ -36,7 +36,7 @@ _FAULT_KINDS = {"commit": 0, "release": 1}
 
 @dataclass(frozen=True)
 class BudgetStats:
-    """A tenant's budget as its one native owner sees it (DESIGN.md, "Fair share").
+    """A tenant's budget as its one native owner sees it (ARCHITECTURE.md, "Fair share").
 
     ``guarantee_bytes`` is the guarantee in force: the explicit one
     (``guarantee_setting``), or an equal share of what explicit guarantees

@@ -3,7 +3,7 @@
 // object for pooled and private spaces. The space asks it "may I claim k
 // pages", "how many could I claim", "am I lending"; Python only forwards.
 //
-// Fair share (DESIGN.md). Every tenant has a guarantee: an explicit one, or
+// Fair share (ARCHITECTURE.md). Every tenant has a guarantee: an explicit one, or
 // an equal share of what explicit guarantees leave, among the live tenants
 // on the default (recomputed as tenants join and leave, so N engines with no
 // settings are never worse off than an N-way static split).
@@ -74,7 +74,7 @@ public:
     int64_t max_pages() const;
     bool lending() const { return lending_; }
     // Another tenant waits below its guarantee: idle pages are a luxury then,
-    // and every tenant gives its reserve back (rule 1 of DESIGN "Fair share").
+    // and every tenant gives its reserve back (rule 1 of ARCHITECTURE.md "Fair share").
     bool starving() const { return starving_; }
     // Another tenant of the pool waits for memory: idle pages above the
     // reserve's max go back at once rather than after the idle interval.

@@ -11,7 +11,7 @@
 // whole virtual size, none of it in the books, and trim() gave none of it
 // back. A read of private anonymous read-only memory maps the kernel's shared
 // zero page instead: it reads zeros, allocates no memory (only page-table
-// entries), and a stray write faults instead of aliasing (DESIGN.md
+// entries), and a stray write faults instead of aliasing (ARCHITECTURE.md
 // invariant 9).
 //
 // Commit = fallocate the page's range in every region (shmem allocates and

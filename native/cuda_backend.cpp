@@ -42,7 +42,7 @@
 //    granule (one per device, shared by every space of the process) is
 //    zero-filled when created, and every committed page is zero-filled (on a
 //    private stream, waited for) before it is handed out: padding reads zeros
-//    and KV data never crosses tenants (DESIGN.md invariant 6).
+//    and KV data never crosses tenants (ARCHITECTURE.md invariant 6).
 //  - cuMemSetAccess takes any fully mapped range: open() maps the zero
 //    granule everywhere and sets access once over the whole reservation.
 //

@@ -1,4 +1,4 @@
-// The one block/page formula of kvpool (DESIGN.md, "Geometry").
+// The one block/page formula of kvpool (ARCHITECTURE.md, "Geometry").
 //
 //   region bytes:  |<------ page 0 (P) ------>|<------ page 1 (P) ------>|
 //   blocks (B):    |  b0   |  b1   |  b2 (straddles) |  b3   |   ...

@@ -3,7 +3,7 @@
 // capacity, one slot per tenant and a generation word that doubles as a futex
 // for cross-process wake-ups.
 //
-// A ledger no peer can block (DESIGN.md). There is no lock: a tenant can be
+// A ledger no peer can block (ARCHITECTURE.md). There is no lock: a tenant can be
 // SIGKILLed, SIGSTOPped, frozen by a cgroup or hostile at any instruction and
 // no other tenant ever waits for it.
 //

@@ -19,7 +19,7 @@ namespace {
 constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
 
 // Bumped in every forked child: a space created before the fork sees another
-// epoch there and turns inert (DESIGN.md: a space in a process that did not
+// epoch there and turns inert (ARCHITECTURE.md: a space in a process that did not
 // create it never releases pages). One load on the hot path, no getpid().
 std::atomic<uint64_t> g_fork_epoch{0};
 std::once_flag g_atfork_once;

@@ -1,4 +1,4 @@
-"""Hypothesis stateful test of the fair-share budget (issue 14, DESIGN.md "Fair share").
+"""Hypothesis stateful test of the fair-share budget (issue 14, ARCHITECTURE.md "Fair share").
 
 Tenants are KVSpaces of one private pool in this process (no reserve thread,
 so every page move is the step's own doing), plus idle tenants in child

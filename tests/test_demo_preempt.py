@@ -1,4 +1,4 @@
-"""The demo's engines act on lending as vLLM does: they preempt and recompute (DESIGN.md, fair share, rule 5)."""
+"""The demo's engines act on lending as vLLM does: they preempt and recompute (ARCHITECTURE.md, fair share, rule 5)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Fair share and idle pages: no tenant keeps idle pages from one that waits
-below its guarantee (issue 14, DESIGN.md "Fair share"; reserve release policy).
+below its guarantee (issue 14, ARCHITECTURE.md "Fair share"; reserve release policy).
 
 Tenants are KVSpaces of one private pool in this process, without a reserve
 thread, so every page move is the call's own doing and each check follows

@@ -1,7 +1,7 @@
 """Hypothesis stateful test of KVCacheManager.
 
 Interleaves alloc (waiting and nowait), free, cancel, timeout, set_limit,
-trim and reservations; after every step checks DESIGN.md's invariants: no
+trim and reservations; after every step checks ARCHITECTURE.md's invariants: no
 block held twice, used blocks equal what the model holds, the books match
 the memfd, no head waiter that fits is left waiting, an applied limit is
 respected, and available() is deliverable.

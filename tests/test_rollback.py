@@ -1,4 +1,4 @@
-"""A failed alloc leaves the exact prior state (DESIGN.md invariant 3).
+"""A failed alloc leaves the exact prior state (ARCHITECTURE.md invariant 3).
 
 Faults come from the native test-only hook: the nth next page commit fails.
 """

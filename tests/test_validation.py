@@ -1,5 +1,5 @@
 """Every public entry point refuses bad input with a typed error naming the value,
-and changes nothing (DESIGN.md invariant 10; issue 10, item 11).
+and changes nothing (ARCHITECTURE.md invariant 10; issue 10, item 11).
 
 On 884d081: ``free([id, True])`` freed block 1, ``KVSpace.set_limit(1.5)`` and
 ``set_limit(True)`` became a 1-byte limit, ints beyond int64 surfaced as

@@ -16,7 +16,7 @@ plugin in every one of its processes (entry point ``kvpool`` in kvpool's
   maps the space's memory file (:func:`kvpool.map_shared`), so pages the
   scheduler commits are visible to it with no message per page.
 
-Sharing follows the pool's fair-share policy (DESIGN.md): the engine
+Sharing follows the pool's fair-share policy (ARCHITECTURE.md): the engine
 borrows memory its neighbours leave idle, and while a tenant below its
 guarantee waits it lends: cached pages go back first, then vLLM sees a full
 cache and preempts (:mod:`.block_pool`). At start-up the engine refuses, in

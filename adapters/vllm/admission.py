@@ -9,7 +9,7 @@ formula, less the null block. Without this check an engine whose pool is too
 small accepts requests and never schedules them (issue 14: a silent 150 s
 hang). The refusal reuses vLLM's wording, with kvpool's numbers.
 
-The guarantee (DESIGN.md, "Fair share") is checked too, but only warned
+The guarantee (ARCHITECTURE.md, "Fair share") is checked too, but only warned
 about: below it the engine still runs a long request whenever its
 neighbours leave memory idle, and on the default equal share it moves as
 tenants join and leave, so refusing on it would refuse engines that work.

@@ -28,7 +28,7 @@ Why this shape:
 * A shortage in the space evicts evictable blocks, least recently freed
   first (any freed slot sits in a committed page and is reusable at once, so
   LRU order loses no memory).
-* Fair share (DESIGN.md): the space's budget is the one judge of whether
+* Fair share (ARCHITECTURE.md): the space's budget is the one judge of whether
   this engine must give memory back. It is read once per scheduler step
   (``on_step``), from a server's idle loop (``on_idle``) and when an
   allocation misses, never per block op. While the budget says ``lending``
