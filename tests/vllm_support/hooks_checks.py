@@ -122,10 +122,13 @@ def the_cpu_workers_row_is_set_when_vllm_imports_it_and_install_never_imports_it
         "    and getattr(m.allocate_kv_cache, '__kvpool_patch__', None) is None)\n"
         "H.uninstall()\n"
         "r['after_uninstall'] = getattr(w.CPUWorker.determine_available_memory, '__kvpool_patch__', None)\n"
+        "r['still_patched_after_uninstall'] = sorted(n for n, m in list(sys.modules.items())\n"
+        "    if n.startswith('vllm.') and getattr(getattr(m, 'allocate_kv_cache', None), '__kvpool_patch__', None))\n"
         "print(json.dumps(r))\n")
     assert report == {"imported_at_install": False, "torch_untouched": True,
                       "row": "vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory",
-                      "unpatched_allocate_kv_cache": [], "after_uninstall": None}, report
+                      "unpatched_allocate_kv_cache": [], "after_uninstall": None,
+                      "still_patched_after_uninstall": []}, report
 
 
 @check
@@ -142,6 +145,75 @@ def an_on_import_row_that_does_not_resolve_fails_vllms_import_by_name() -> None:
         "    r = str(e)\n"
         "print(json.dumps(r))\n")
     assert "vllm.v1.worker.cpu_worker.CPUWorker.renamed" in report, report
+
+
+_PACKAGE = {  # a stand-in for vLLM modules: "target" is an on_import row's module, "importer" imports it
+    "fakevllm/__init__.py": "",
+    "fakevllm/target.py": "class C:\n    def m(self):\n        return 'stock'\n",
+    "fakevllm/importer.py": "from fakevllm import target\n\ndef f():\n    return 'stock'\n",
+}
+
+
+def _fresh_with_package(body: str) -> Any:
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="kvpool-hooks-")
+    for rel, text in _PACKAGE.items():
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+    head = ("import json, sys\n"
+            f"sys.path.insert(0, {root!r})\n"
+            "from kvpool.adapters.vllm import _patching as P\n"
+            "patched = lambda original: (lambda *a: 'patched')\n"
+            "ROW = P.PatchPoint('fakevllm.target', 'C.m', patched, on_import=True)\n")
+    return _fresh(head + body)
+
+
+@check
+def an_on_import_row_whose_module_another_row_imports_is_set() -> None:
+    # Regression (review): install listed the on_import rows already imported
+    # before it imported the other rows' modules, and the rest after: a row
+    # whose module one of those imports pulled in was in neither list.
+    r = _fresh_with_package(
+        "P.install([P.PatchPoint('fakevllm.importer', 'f', patched), ROW])\n"
+        "import fakevllm.target as t, fakevllm.importer as i\n"
+        "out = [i.f(), t.C().m(), P.installed()]\n"
+        "P.uninstall()\n"
+        "print(json.dumps(out + [i.f(), t.C().m(), P.installed(), any(isinstance(f, P._OnImport) for f in sys.meta_path)]))\n")
+    assert r == ["patched", "patched", True, "stock", "stock", False, False], r
+
+
+@check
+def a_failed_on_import_row_fails_every_import_until_uninstalled() -> None:
+    # Regression (review): the rows were taken off the pending list before
+    # they were set, so a second import of a module whose row did not resolve
+    # ran stock vLLM while the plugin said it was installed.
+    r = _fresh_with_package(
+        "P.install([P.PatchPoint('fakevllm.target', 'C.renamed', patched, on_import=True)])\n"
+        "out = []\n"
+        "for _ in range(2):\n"
+        "    try:\n"
+        "        import fakevllm.target\n"
+        "        out.append('imported')\n"
+        "    except P.UnsupportedVLLM as e:\n"
+        "        out.append('refused' if 'fakevllm.target.C.renamed' in str(e) else str(e))\n"
+        "P.uninstall()\n"
+        "import fakevllm.target as t\n"
+        "print(json.dumps(out + [t.C().m()]))\n")
+    assert r == ["refused", "refused", "stock"], r
+
+
+@check
+def the_import_hooks_loader_copies_and_reads_source_as_the_modules_own() -> None:
+    r = _fresh_with_package(
+        "import copy, inspect\n"
+        "P.install([ROW])\n"
+        "import fakevllm.target as t\n"
+        "copy.copy(t.__loader__)\n"
+        "print(json.dumps(['class C' in inspect.getsource(t), t.C().m()]))\n")
+    assert r == [True, "patched"], r
 
 
 @check
