@@ -37,6 +37,7 @@ VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
 PAGE = 128 << 10  # the tiny Llama's page per layer: 8 blocks of 32 tokens in float32
 UNIT = 2 * PAGE  # committed bytes per kvpool page of the tiny Llama (two layers)
 DTYPE = "float32"
+GEMMA_PAGE = 64 << 10  # the tiny Gemma 3's page (float32 blocks of 16 KiB: 4 a page)
 LENGTHS = (5, 17, 40, 90, 150, 33, 64, 120, 8, 200)
 MAX_TOKENS = 96
 

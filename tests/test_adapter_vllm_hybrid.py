@@ -26,14 +26,14 @@ import pytest
 
 from kvpool import Pool
 
-from ._vllm_engines import (MAX_TOKENS, build_model, committed, phase, pool_name, prompts,  # pool_name: a fixture
+from ._vllm_engines import (GEMMA_PAGE, MAX_TOKENS, build_model, committed, phase, pool_name, prompts,  # pool_name: a fixture
                             require_vllm, run_engine)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 require_vllm()
 
-PAGE = 64 << 10  # 4 blocks a page
+PAGE = GEMMA_PAGE
 UNIT = PAGE  # one region: a commit is one page
 BLOCK = 16 << 10  # 32 tokens x 2 KV heads x 32 x float32, K and V
 # max_model_len 512 with 256-token chunks: one request holds at most 16

@@ -31,7 +31,7 @@ import pytest
 
 from kvpool import Pool
 
-from ._vllm_engines import wait_listening
+from ._vllm_engines import DTYPE, PAGE, UNIT, wait_listening
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -39,8 +39,6 @@ HERE = pathlib.Path(__file__).parent / "vllm_support"
 README = pathlib.Path(__file__).parent.parent / "README.md"
 VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-PAGE = 128 << 10  # float32: vLLM's bf16 CPU kernels are not batch-invariant (tests/_vllm_engines.py)
-UNIT = 2 * PAGE  # committed bytes per kvpool page (two layers): 8 blocks of 32 tokens
 MAX_TOKENS = 48
 READY = "Application startup complete"
 
@@ -84,7 +82,7 @@ class Server:
         self._ended = False
         self.proc = subprocess.Popen(
             [VLLM_PYTHON, "-m", SERVER_MODULE, "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
-             "--dtype", "float32", "--block-size", "32", "--max-model-len", "1024",
+             "--dtype", DTYPE, "--block-size", "32", "--max-model-len", "1024",
              "--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager", "--seed", "0", "--max-num-seqs", "10",
              "--max-num-batched-tokens", "1024", "--no-enable-prefix-caching"],
             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -23,7 +23,7 @@ import pytest
 
 from kvpool import Pool
 
-from ._vllm_engines import (MAX_TOKENS, PAGE, build_model, committed, phase, pool_name, prompts,  # pool_name: a fixture
+from ._vllm_engines import (GEMMA_PAGE, MAX_TOKENS, PAGE, build_model, committed, phase, pool_name, prompts,  # pool_name: a fixture
                             require_vllm, run_engine, run_together)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -118,7 +118,7 @@ def test_a_hybrid_engine_and_a_tp2_engine_share_one_pool(
     tp_done, hy_done = str(tmp_path / "tp-alone-done"), str(tmp_path / "hybrid-alone-done")
     tp_cfg = {"model": llama, **TP, "phases": [phase(PROMPTS, done_file=tp_done),
                                                phase(PROMPTS_2, wait_file=hy_done)]}
-    hy_cfg = {"model": gemma, "dtype": "float32", "page_bytes": 64 << 10, "max_model_len": 512,
+    hy_cfg = {"model": gemma, "dtype": "float32", "page_bytes": GEMMA_PAGE, "max_model_len": 512,
               "max_num_batched_tokens": 256,
               "phases": [phase(PROMPTS_2, wait_file=tp_done, done_file=hy_done), phase(PROMPTS)]}
     (tp, hy), samples = run_together(tmp_path, pool, {"tp": tp_cfg, "hybrid": hy_cfg},

@@ -15,8 +15,10 @@ The points, in the order they act:
    closes the space after the workers are gone.
 2. ``EngineCore._initialize_kv_caches``: the scheduler's ``KVCacheConfig``
    is a deep copy taken before (1); attach the same handle to it.
-3. ``allocate_kv_cache`` (worker; also under the name
-   ``gpu_model_runner`` imported, if it was imported before the plugin):
+3. ``allocate_kv_cache`` (worker; also under the names ``gpu_model_runner``,
+   ``gpu.attn_utils`` and ``hisparse.binding`` bound, where those modules
+   were imported before the plugin; one imported later binds the patched
+   original):
    view that memory instead of allocating a zeroed buffer. The views are
    vLLM's own (``create_kv_cache_views``) with the layer stride of the
    space's regions.

@@ -103,11 +103,11 @@ class _Applied:
 _lock = threading.RLock()  # install, uninstall and the import hook's late rows
 _applied: list[_Applied] = []
 _hook: _OnImport | None = None
-_table: tuple[PatchPoint, ...] = ()  # the installed table (uninstall's late bindings)
+_table: tuple[PatchPoint, ...] = ()  # the installed table: empty when nothing is installed
 
 
 def installed() -> bool:
-    return bool(_applied) or _hook is not None or bool(_table)
+    return bool(_table)
 
 
 def _version_tuple(version: str) -> tuple[int, int] | None:
@@ -260,7 +260,7 @@ def install(points: Sequence[PatchPoint]) -> None:
         # Rows that import go before rows that patch only if imported: an
         # import may bind a name another row patches.
         sys.meta_path.insert(0, hook)
-        _hook = hook
+        _hook, _table = hook, tuple(points)
         try:
             now = sorted((p for p in points if not p.on_import), key=lambda p: p.if_imported)
             _applied.extend(_apply(now))  # after any row the hook set while these imported
@@ -269,7 +269,6 @@ def install(points: Sequence[PatchPoint]) -> None:
         except BaseException:
             _uninstall_locked()
             raise
-        _table = tuple(points)
         if not hook.pending:
             sys.meta_path.remove(hook)
             _hook = None
