@@ -70,6 +70,12 @@ class Request:
         return Request(self.rid, self.engine, self.arrival, self.prompt_len, self.new_tokens, self.token_seed)
 
 
+def max_request_blocks(prompt_scale: float = 1.0) -> int:
+    """Blocks of the largest request a trace can hold: what one admission can ask for."""
+    prompt = max(1, round(PROMPT_TOKENS[1] * prompt_scale))
+    return (prompt + NEW_TOKENS[1] + BLOCK_TOKENS - 1) // BLOCK_TOKENS
+
+
 # Arrival times of engine e's requests, one function per shape; each draws
 # from the trace's one generator, engine by engine.
 

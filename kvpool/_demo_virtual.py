@@ -71,7 +71,7 @@ import numpy as np
 from ._demo_clock import NanoClock
 from ._demo_sched import Scheduler
 from ._demo_traces import BLOCK_TOKENS, Request, make_trace
-from .demo import COMMIT_BYTES_PER_BLOCK, summarize
+from .demo import COMMIT_BYTES_PER_BLOCK, headroom_bytes, summarize
 from .geometry import Geometry
 from .manager import KVCacheManager
 from .pool import Pool
@@ -220,7 +220,8 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
             # which a virtual clock would jump past.
             limit = pool_bytes // args.engines if mode == "static" else None
             m = KVCacheManager(geometry, pool=pool_name, name=f"engine-{e}", reserve=(0, 0),
-                               reserve_thread=False, limit_bytes=limit)
+                               reserve_thread=False, limit_bytes=limit,
+                               headroom_bytes=headroom_bytes(geometry, args.prompt_scale))
             engines.append(VirtualEngine(e, m, steps, shared if args.compute == "shared" else asyncio.Lock()))
         for eng in engines:  # the next engines first, so no engine is always polled last
             eng.peers = engines[eng.index + 1:] + engines[: eng.index]

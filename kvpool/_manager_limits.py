@@ -99,6 +99,18 @@ class _LimitsMixin:
         self._dispatch()  # a raised guarantee may let waiters in
         return LimitState.APPLIED
 
+    def set_headroom(self, headroom_bytes: int) -> None:
+        """Ask borrowers to leave ``headroom_bytes`` of this tenant's unused guarantee free.
+
+        See :meth:`kvpool.KVSpace.set_headroom`: a request of up to that
+        size is then granted at once instead of waiting for a borrower's
+        next step. Not revisioned: only the engine knows its next step.
+        """
+        if self._closed:
+            raise PoolClosed(f"manager {self.name!r} is closed")
+        self.space.set_headroom(headroom_bytes)
+        self._log.info("budget.headroom", headroom_bytes=int(headroom_bytes))
+
     def _refresh_limit_state(self, s: SpaceStats | None = None, *, log: bool = True,
                              force_log: bool = False) -> LimitState:
         """Read the native verdict (from ``s``, a snapshot just taken, if given)."""

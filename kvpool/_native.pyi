@@ -55,6 +55,15 @@ class BudgetFigures:
     def lending(self) -> bool: ...
 
     @property
+    def restoring(self) -> bool: ...
+
+    @property
+    def headroom_bytes(self) -> int: ...
+
+    @property
+    def keep_free_bytes(self) -> int: ...
+
+    @property
     def pool_capacity(self) -> int: ...
 
 class SpaceStats:
@@ -181,6 +190,12 @@ class TenantRow:
     def reserve_pages(self) -> int: ...
 
     @property
+    def headroom(self) -> int: ...
+
+    @property
+    def keep_free(self) -> int: ...
+
+    @property
     def allocs(self) -> int: ...
 
     @property
@@ -304,6 +319,11 @@ class Space:
     def set_guarantee(self, guarantee_bytes: int, revision: int) -> tuple[int, int, str]:
         """
         Set this tenant's guarantee (-1: the default share) under `revision` (-1: next): (code, result: 0 applied 1 stale 2 conflict 3 same, message).
+        """
+
+    def set_headroom(self, headroom_bytes: int) -> tuple[int, str]:
+        """
+        Bytes of this tenant's unused guarantee borrowers must leave free: (code, message).
         """
 
     @property

@@ -47,7 +47,7 @@ from ._demo_clock import RealClock
 from ._demo_model import (BLOCK_BYTES, HEAD_DIM, HEADS, LAYERS, ContiguousKV, PagedKV, TinyDecoder,
                           greedy)
 from ._demo_sched import Scheduler
-from ._demo_traces import BLOCK_TOKENS, SHAPES, Request, make_trace
+from ._demo_traces import BLOCK_TOKENS, SHAPES, Request, make_trace, max_request_blocks
 from .geometry import Geometry
 from .manager import KVCacheManager
 from .pool import Pool
@@ -120,6 +120,16 @@ class Engine(Scheduler):
 
 # ------------------------------------------------------------------ one mode
 
+def headroom_bytes(geometry: Geometry, prompt_scale: float) -> int:
+    """What each engine asks borrowers to keep free: the pages of its largest request.
+
+    ARCHITECTURE.md, "Fair share", rule 6: with it an engine's next
+    admission is granted at once instead of waiting for a borrower's step.
+    """
+    per_page = geometry.page_bytes // geometry.region_block_bytes
+    return -(-max_request_blocks(prompt_scale) // per_page) * geometry.page_commit_bytes
+
+
 def _pct(xs: list[float], q: float) -> float:
     if not xs:
         return 0.0
@@ -138,7 +148,8 @@ async def run_mode(mode: str, args: argparse.Namespace, trace: list[Request], mo
     timeline: list[dict[str, Any]] = []
     try:
         for e in range(args.engines):
-            m = KVCacheManager(geometry, pool=pool, name=f"engine-{e}", reserve=(1, 2))
+            m = KVCacheManager(geometry, pool=pool, name=f"engine-{e}", reserve=(1, 2),
+                               headroom_bytes=headroom_bytes(geometry, args.prompt_scale))
             if mode == "static":
                 await m.set_limit(slice_bytes)
             engines.append(Engine(e, m, model))
@@ -293,7 +304,8 @@ async def worker(mode: str, index: int, pool_name: str, args: argparse.Namespace
     trace = [r for r in make_trace(args.engines, args.duration, args.burst, args.seed, args.trace,
                                    args.prompt_scale) if r.engine == index]
     geometry = Geometry(LAYERS, 2, BLOCK_BYTES, args.blocks, page_bytes=PAGE_BYTES)
-    m = KVCacheManager(geometry, pool=Pool(pool_name, create=False), name=f"engine-{index}", reserve=(1, 2))
+    m = KVCacheManager(geometry, pool=Pool(pool_name, create=False), name=f"engine-{index}", reserve=(1, 2),
+                       headroom_bytes=headroom_bytes(geometry, args.prompt_scale))
     if mode == "static":
         await m.set_limit(args.pool_blocks * COMMIT_BYTES_PER_BLOCK // args.engines)
     eng = Engine(index, m, model)

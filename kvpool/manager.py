@@ -83,6 +83,9 @@ class KVCacheManager(_LimitsMixin):
         guarantee_bytes: in a pool, bytes this tenant can always get back
             (revision 0; ``None``: an equal share of the pool among its
             tenants). See ARCHITECTURE.md, "Fair share".
+        headroom_bytes: in a pool, bytes of this tenant's unused guarantee
+            borrowers must leave free, so its next request of up to that
+            size is granted at once (default 0). See :meth:`set_headroom`.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class KVCacheManager(_LimitsMixin):
         limit_bytes: int | None = None,
         guarantee_bytes: int | None = None,
         idle_release_s: float = 1.0,
+        headroom_bytes: int = 0,
     ) -> None:
         self.name = name if name is not None else f"{os.getpid()}-{next(_names)}"
         if pool == "default":
@@ -105,7 +109,7 @@ class KVCacheManager(_LimitsMixin):
         self.space = KVSpace(
             geometry, device=device, null_block=null_block, reserve=reserve,
             reserve_thread=reserve_thread, limit_bytes=limit_bytes, pool=pool, name=self.name,
-            guarantee_bytes=guarantee_bytes, idle_release_s=idle_release_s,
+            guarantee_bytes=guarantee_bytes, idle_release_s=idle_release_s, headroom_bytes=headroom_bytes,
         )
         self.pool = self.space.pool.name if self.space.pool is not None else "-"
 

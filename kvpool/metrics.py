@@ -63,6 +63,8 @@ TENANT_METRICS: tuple[Figure, ...] = (
     Figure("kvpool_tenant_borrowed_bytes", "Committed memory above the tenant's guarantee.", "borrowed_bytes"),
     Figure("kvpool_tenant_wanted_bytes", "What the tenant's waiting requests need beyond what it holds.",
            "want_bytes"),
+    Figure("kvpool_tenant_keep_free_bytes", "Of the tenant's unused guarantee, what borrowers must leave free "
+           "(its headroom).", "keep_free_bytes"),
     Figure("kvpool_tenant_lending", "1 while the tenant gives memory back to a tenant below its guarantee.",
            "lending"),
     Figure("kvpool_tenant_limit_revision", "Revision of the tenant's current limit.", "limit_revision"),

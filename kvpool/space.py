@@ -43,8 +43,14 @@ class BudgetStats:
     leave among the pool's tenants on the default. ``borrowed_bytes`` is
     what the tenant holds above it; while ``lending`` (it borrows and a
     tenant below its guarantee waits) its allocs are refused and its emptied
-    pages go back to the pool at once. A private space (no pool) has no
-    guarantee (0) and never lends.
+    pages go back to the pool at once. ``headroom_bytes`` is how much of
+    its unused guarantee the tenant asks borrowers to leave free, and
+    ``keep_free_bytes`` what that asks now (``min(headroom, guarantee -
+    claimed)``). While ``restoring`` it borrows what the others keep free
+    (one of them grew within its guarantee into it): its allocs are refused
+    and its emptied pages go back, as a lender's, but its engine need not
+    preempt. A private space (no pool) has no guarantee (0), never lends
+    and keeps nothing free.
     """
 
     pooled: bool
@@ -57,6 +63,9 @@ class BudgetStats:
     borrowed_bytes: int
     want_bytes: int
     lending: bool
+    restoring: bool
+    headroom_bytes: int
+    keep_free_bytes: int
     pool_capacity: int | None
 
     @classmethod
@@ -66,7 +75,8 @@ class BudgetStats:
             limit_revision=int(b.limit_revision), guarantee_bytes=int(b.guarantee_bytes),
             guarantee_setting=None if b.guarantee_setting < 0 else int(b.guarantee_setting),
             guarantee_revision=int(b.guarantee_revision), claimed_bytes=int(b.claimed_bytes),
-            borrowed_bytes=int(b.borrowed_bytes), want_bytes=int(b.want_bytes), lending=bool(b.lending),
+            borrowed_bytes=int(b.borrowed_bytes), want_bytes=int(b.want_bytes), lending=bool(b.lending), restoring=bool(b.restoring),
+            headroom_bytes=int(b.headroom_bytes), keep_free_bytes=int(b.keep_free_bytes),
             pool_capacity=None if b.pool_capacity < 0 else int(b.pool_capacity),
         )
 
@@ -200,6 +210,13 @@ class KVSpace:
             (``None``: an equal share of the capacity among the pool's
             tenants). Explicit guarantees may not add up to more than the
             pool's capacity.
+        headroom_bytes: in a pool, bytes of this tenant's unused guarantee
+            that borrowers must leave free (default 0), so that its next
+            request is granted at once instead of waiting for a borrower to
+            give memory back (which it does at its own next step). Size it
+            to what the engine's next step can ask for; borrowing from this
+            tenant's idle guarantee stops that much short. See
+            :meth:`set_headroom`.
     """
 
     def __init__(
@@ -215,6 +232,7 @@ class KVSpace:
         name: str | None = None,
         guarantee_bytes: int | None = None,
         idle_release_s: float = 1.0,
+        headroom_bytes: int = 0,
     ) -> None:
         if not isinstance(geometry, Geometry):
             raise TypeError(f"geometry must be a kvpool.Geometry, got {type(geometry).__name__}")
@@ -237,6 +255,9 @@ class KVSpace:
         guarantee = self._limit_arg(guarantee_bytes, "guarantee_bytes")
         if guarantee >= 0 and pool is None:
             raise ValueError("guarantee_bytes needs a pool: a private space has the whole budget")
+        headroom = V.integer("headroom_bytes", headroom_bytes)
+        if headroom and pool is None:
+            raise ValueError("headroom_bytes needs a pool: a private space has no neighbours to keep it free from")
         self.pool = Pool(pool, device=device) if isinstance(pool, str) else pool
         self.name = name if name is not None else f"{os.getpid()}-{next(_tenant_ids)}"
         try:
@@ -262,6 +283,8 @@ class KVSpace:
             _core.raise_status(code, f"cannot create KV space on {device}: {msg}", requested=1)
         self._space = cast(_core.native.Space, space)
         self._regions: list[torch.Tensor] | None = None
+        if headroom:
+            self.set_headroom(headroom)
 
     @staticmethod
     def _limit_arg(limit_bytes: int | None, what: str = "limit_bytes") -> int:
@@ -384,6 +407,26 @@ class KVSpace:
         if code != _core.CODE_OK:
             _core.raise_status(code, msg)
         return ("applied", "stale", "conflict", "same")[result]
+
+    def set_headroom(self, headroom_bytes: int) -> None:
+        """Ask borrowers to leave up to ``headroom_bytes`` of this tenant's unused guarantee free.
+
+        Borrowers (tenants growing past their own guarantee) never take the
+        last ``min(headroom_bytes, guarantee - claimed)`` bytes of the pool
+        while this tenant does not wait, so a request of up to that size is
+        granted at once. 0 (the default) keeps nothing free: the tenant's
+        next request may wait for a borrower to give memory back at its next
+        step. Only this tenant's owner sets it; it is not revisioned.
+        """
+        self._check_open()
+        headroom = V.integer("headroom_bytes", headroom_bytes)
+        if self.pool is None:
+            if headroom:
+                raise ValueError("headroom_bytes needs a pool: a private space has no neighbours to keep it free from")
+            return
+        code, msg = self._space.set_headroom(headroom)
+        if code != _core.CODE_OK:
+            _core.raise_status(code, msg)
 
     def budget(self) -> BudgetStats:
         """The tenant's budget: limit, guarantee, what it borrows, whether it lends."""

@@ -73,8 +73,10 @@ Status Space::alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t*
         why += ", " + std::to_string(pcb_) + " bytes per page commit)";
         return Status::make(Code::Unsatisfiable, why);
     }
-    if (budget_.lending() && !promised)
-        return shortage_locked(n, "this tenant lends its pages to a tenant below its guarantee", available);
+    if (budget_.gives_back() && !promised)
+        return shortage_locked(n, budget_.lending() ? "this tenant lends its pages to a tenant below its guarantee"
+                                                    : "this tenant borrows what other tenants keep free (their headroom)",
+                               available);
 
     std::vector<int32_t> plan;  // FREE pages this call must commit
     while (true) {

@@ -232,6 +232,9 @@ NB_MODULE(_native, m) {
         .def_ro("borrowed_bytes", &kvpool::BudgetFigures::borrowed_bytes)
         .def_ro("want_bytes", &kvpool::BudgetFigures::want_bytes)
         .def_ro("lending", &kvpool::BudgetFigures::lending)
+        .def_ro("restoring", &kvpool::BudgetFigures::restoring)
+        .def_ro("headroom_bytes", &kvpool::BudgetFigures::headroom_bytes)
+        .def_ro("keep_free_bytes", &kvpool::BudgetFigures::keep_free_bytes)
         .def_ro("pool_capacity", &kvpool::BudgetFigures::pool_capacity);
 
     nb::class_<kvpool::SpaceStats>(m, "SpaceStats", "A consistent snapshot of one space (taken under its lock).")
@@ -276,6 +279,8 @@ NB_MODULE(_native, m) {
         .def_ro("limit_state", &kvpool::TenantRow::limit_state)
         .def_ro("lending", &kvpool::TenantRow::lending)
         .def_ro("reserve_pages", &kvpool::TenantRow::reserve_pages)
+        .def_ro("headroom", &kvpool::TenantRow::headroom)
+        .def_ro("keep_free", &kvpool::TenantRow::keep_free)
         .def_ro("allocs", &kvpool::TenantRow::allocs)
         .def_ro("shortages", &kvpool::TenantRow::shortages)
         .def_ro("limit", &kvpool::TenantRow::limit)
@@ -447,6 +452,18 @@ NB_MODULE(_native, m) {
             "guarantee_bytes"_a, "revision"_a,
             "Set this tenant's guarantee (-1: the default share) under `revision` (-1: next): "
             "(code, result: 0 applied 1 stale 2 conflict 3 same, message).")
+        .def(
+            "set_headroom",
+            [](Space& s, int64_t bytes) {
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.set_headroom(bytes);
+                }
+                return std::make_tuple(static_cast<int>(st.code), st.message);
+            },
+            "headroom_bytes"_a,
+            "Bytes of this tenant's unused guarantee borrowers must leave free: (code, message).")
         .def_prop_ro("inherited", &Space::inherited, "Inherited across fork(): inert in this process.")
         .def("settle", &Space::settle, "timeout_s"_a, nb::call_guard<nb::gil_scoped_release>(),
              "Wait until the reserve thread is idle; False on timeout.")

@@ -19,6 +19,8 @@ struct Share {
     int64_t guarantee = 0;   // this tenant's guarantee in force
     bool starving = false;   // some other tenant waits below its guarantee
     bool others_waiting = false;  // some other tenant waits at all
+    int64_t keep_free = 0;   // what the others not waiting keep free (rule 5)
+    bool other_borrower = false;  // some other tenant holds more than its guarantee
     std::string starving_name;
 };
 
@@ -35,8 +37,14 @@ Share judge_share(const LedgerSnapshot& s, int slot) {
     const int64_t deficit = std::max<int64_t>(0, out.guarantee - mine);
     int64_t protect_within = 0;  // wanted by waiters ahead of us within guarantees
     int64_t protect_borrow = 0;  // wanted by waiters ahead of a borrower
+    int64_t keep_free = 0;       // what tenants not waiting ask borrowers to leave (rule 5)
     for (const auto& r : s.rows) {
-        if (r.slot == slot || r.want <= 0) continue;
+        if (r.slot == slot) continue;
+        if (r.claimed > effective_guarantee(s, r)) out.other_borrower = true;
+        if (r.want <= 0) {
+            keep_free += r.keep_free;  // a waiter's want protects it instead
+            continue;
+        }
         out.others_waiting = true;
         const int64_t their_deficit = effective_guarantee(s, r) - r.claimed;
         if (their_deficit > 0) {
@@ -52,10 +60,12 @@ Share judge_share(const LedgerSnapshot& s, int slot) {
     }
     const int64_t room_within = std::clamp<int64_t>(free_bytes - protect_within, 0, deficit);
     // Borrowing (growing past the guarantee) only while nobody below its
-    // guarantee waits, and only from memory no earlier waiter wants.
-    out.room = out.starving ? room_within : std::max(room_within, free_bytes - protect_borrow);
+    // guarantee waits, only from memory no earlier waiter wants, and never
+    // from what the others keep free (rule 5).
+    out.room = out.starving ? room_within : std::max(room_within, free_bytes - protect_borrow - keep_free);
     out.room = std::max<int64_t>(0, out.room);
     out.free = std::max<int64_t>(0, free_bytes);
+    out.keep_free = keep_free;
     return out;
 }
 
@@ -80,11 +90,33 @@ void Budget::judge(const LedgerSnapshot& s) {
     guarantee_bytes_ = sh.guarantee;
     starving_ = sh.starving;
     others_waiting_ = sh.others_waiting;
+    headroom_short_ = sh.free < sh.keep_free;
     relend();
+    publish_keep_free();
+}
+
+void Budget::publish_keep_free() {
+    if (!ledger_) return;
+    const int64_t kf = std::clamp<int64_t>(guarantee_bytes_ - claimed_pages_ * pcb_, 0, headroom_bytes_);
+    if (kf == keep_free_) return;
+    keep_free_ = kf;
+    ledger_->publish_headroom(slot_, headroom_bytes_, kf);
+}
+
+Status Budget::set_headroom(int64_t bytes) {
+    if (bytes < 0) return Status::make(Code::Invalid, "headroom_bytes must be >= 0, got " + std::to_string(bytes));
+    if (!ledger_) return Status::make(Code::Invalid, "headroom_bytes needs a pool: a private space has no neighbours");
+    headroom_bytes_ = bytes;
+    keep_free_ = -1;  // publish the setting even if keep_free is unchanged
+    publish_keep_free();
+    ledger_->bump_generation();  // borrowers judge again: they may have to give it back
+    return Status::ok();
 }
 
 void Budget::relend() {
-    const bool lending = ledger_ && starving_ && claimed_pages_ * pcb_ > guarantee_bytes_;
+    const bool above = ledger_ && claimed_pages_ * pcb_ > guarantee_bytes_;
+    const bool lending = above && starving_;
+    restoring_ = above && headroom_short_ && !lending;
     if (lending != lending_) {
         lending_ = lending;
         ledger_->publish_lending(slot_, lending);
@@ -97,7 +129,7 @@ bool Budget::refresh(bool force) {
     if (!force && gen == seen_generation_) return false;
     seen_generation_ = gen;
     const int64_t old_limit = limit_bytes_, old_g = guarantee_bytes_;
-    const bool old_lending = lending_;
+    const bool old_lending = lending_, old_restoring = restoring_;
     int64_t l, lr, g, gr;
     // A writer stopped inside the seqlock: keep the settings read last.
     if (ledger_->read_settings(slot_, &l, &lr, &g, &gr)) {
@@ -107,7 +139,8 @@ bool Budget::refresh(bool force) {
         guarantee_revision_ = gr;
     }
     judge(ledger_->snapshot(false));
-    return limit_bytes_ != old_limit || guarantee_bytes_ != old_g || lending_ != old_lending;
+    return limit_bytes_ != old_limit || guarantee_bytes_ != old_g || lending_ != old_lending ||
+           restoring_ != old_restoring;
 }
 
 bool Budget::claim(int64_t pages, std::string* why, bool promised) {
@@ -123,12 +156,17 @@ bool Budget::claim(int64_t pages, std::string* why, bool promised) {
         claimed_pages_ += pages;
         return true;
     }
+    bool took_headroom = false;  // this claim leaves less free than the others keep
     auto admit = [&](const LedgerSnapshot& s, std::string* w) {
         const Share sh = judge_share(s, slot_);
         guarantee_bytes_ = sh.guarantee;
         starving_ = sh.starving;
         others_waiting_ = sh.others_waiting;
-        if (bytes <= (promised ? sh.free : sh.room)) return true;
+        if (bytes <= (promised ? sh.free : sh.room)) {
+            took_headroom = sh.other_borrower && sh.free - bytes < sh.keep_free;
+            headroom_short_ = sh.free - bytes < sh.keep_free;
+            return true;
+        }
         if (sh.starving && (claimed_pages_ * pcb_ + bytes > sh.guarantee))
             *w = "lending: tenant " + sh.starving_name + " waits below its guarantee (this tenant holds " +
                  std::to_string(claimed_pages_ * pcb_) + " bytes, guarantee " + std::to_string(sh.guarantee) + ")";
@@ -140,6 +178,10 @@ bool Budget::claim(int64_t pages, std::string* why, bool promised) {
     const bool ok = ledger_->claim(slot_, bytes, admit, why);
     if (ok) claimed_pages_ += pages;
     relend();
+    publish_keep_free();
+    // Growing within its guarantee, this tenant took memory others keep
+    // free: the borrowers must look again and give it back (rule 5).
+    if (ok && took_headroom) ledger_->bump_generation();
     return ok;
 }
 
@@ -147,7 +189,11 @@ void Budget::release(int64_t pages) {
     if (pages <= 0) return;
     claimed_pages_ -= pages;
     if (ledger_) ledger_->release(slot_, pages * pcb_);
+    // Lending for the others' headroom: judge again, so lending ends as soon
+    // as what they keep free is back.
+    if (ledger_ && restoring_) judge(ledger_->snapshot(false));
     relend();
+    publish_keep_free();
 }
 
 int64_t Budget::room_pages(bool promised, int64_t releasing) const {
@@ -157,10 +203,19 @@ int64_t Budget::room_pages(bool promised, int64_t releasing) const {
     // they leave once back (under a limit: lim - the claims that stay).
     if (lim >= 0) room = std::max<int64_t>(0, lim - (claimed_pages_ - releasing));
     if (ledger_) {
-        // Nobody waits anywhere: the rules reduce to the pool's free bytes.
-        int64_t free_bytes = 0;
-        const int64_t pool_room = ledger_->quiet_free_bytes(slot_, &free_bytes)
-                                      ? std::max<int64_t>(0, free_bytes)
+        // Nobody waits anywhere: the rules reduce to the pool's free bytes,
+        // less what the others keep free for anything past the guarantee.
+        int64_t free_bytes = 0, keep_free = 0;
+        const int64_t pool_room = ledger_->quiet_free_bytes(slot_, &free_bytes, &keep_free)
+                                      ? [&] {
+                                            // As judge_share: the releasing pages still count
+                                            // as claimed here and are added back below.
+                                            const int64_t deficit =
+                                                std::max<int64_t>(0, guarantee_bytes_ - claimed_pages_ * pcb_);
+                                            const int64_t within = std::clamp<int64_t>(free_bytes, 0, deficit);
+                                            return std::max<int64_t>(
+                                                0, promised ? free_bytes : std::max(within, free_bytes - keep_free));
+                                        }()
                                       : [&] {
                                             const Share sh = judge_share(ledger_->snapshot(false), slot_);
                                             return promised ? sh.free : sh.room;
@@ -226,6 +281,9 @@ BudgetFigures Budget::figures() const {
     f.borrowed_bytes = ledger_ ? std::max<int64_t>(0, f.claimed_bytes - guarantee_bytes_) : 0;
     f.want_bytes = want_pages_ * pcb_;
     f.lending = lending_;
+    f.restoring = restoring_;
+    f.headroom_bytes = headroom_bytes_;
+    f.keep_free_bytes = ledger_ ? std::max<int64_t>(0, keep_free_) : 0;
     f.pool_capacity = ledger_ ? ledger_->capacity() : -1;
     return f;
 }

@@ -18,6 +18,16 @@
 //      waits for (bytes earlier waiters want are theirs).
 //   4. Admission: nothing larger than min(limit, capacity) through the page
 //      formula is ever queued (max_pages()).
+//   5. Headroom: a tenant may ask borrowers to leave up to `headroom` bytes
+//      of its unused guarantee free (keep_free = min(headroom, guarantee -
+//      claimed)), so its next request is granted at once instead of after a
+//      borrower's step gives memory back (a borrower preempts only at its
+//      next step). Growing past one's own guarantee never takes memory
+//      other tenants keep free; growing within it always may, and then
+//      every borrower *restores* it until that much is free again: as a
+//      lender it does not grow, its allocs are refused and its emptied pages
+//      go back, but its engine is not asked to preempt (lending() stays
+//      false): the memory comes back as its requests finish.
 // The verdicts are judged on a ledger snapshot at every claim; the space's
 // hot path reads the cached lending verdict, refreshed when the pool's
 // generation moves (every want appearing or going, every setting, join and
@@ -44,6 +54,9 @@ struct BudgetFigures {
     int64_t borrowed_bytes = 0;      // claimed above the guarantee
     int64_t want_bytes = 0;          // what its waiting requests need (published)
     bool lending = false;            // above its guarantee while a tenant below its own waits
+    bool restoring = false;          // above its guarantee while the others' keep_free is not free (rule 5)
+    int64_t headroom_bytes = 0;      // of its unused guarantee, asked to be kept free (rule 5)
+    int64_t keep_free_bytes = 0;     // what that asks now: min(headroom, guarantee - claimed)
     int64_t pool_capacity = -1;      // -1 without a pool
 };
 
@@ -73,6 +86,12 @@ public:
     // The most pages this tenant can ever hold: min(limit, capacity) (-1 = no bound).
     int64_t max_pages() const;
     bool lending() const { return lending_; }
+    // Rule 5: the pool has less free than the others keep free and this
+    // tenant borrows: it gives back as a lender does, without preempting.
+    bool restoring() const { return restoring_; }
+    // Lending or restoring: what the space acts on (no growth, allocs
+    // refused, idle and emptied pages back to the pool).
+    bool gives_back() const { return lending_ || restoring_; }
     // Another tenant waits below its guarantee: idle pages are a luxury then,
     // and every tenant gives its reserve back (rule 1 of ARCHITECTURE.md "Fair share").
     bool starving() const { return starving_; }
@@ -92,6 +111,10 @@ public:
     // the same rules locally.
     Status set_limit(int64_t bytes, int64_t revision, LimitResult* result);
     Status set_guarantee(int64_t bytes, int64_t revision, LimitResult* result);
+    // Rule 5: bytes of its unused guarantee this tenant asks borrowers to
+    // leave free (0: none). Owner-written, not revisioned: the engine knows
+    // how much its next step can ask for.
+    Status set_headroom(int64_t bytes);
 
     // What waiting requests need beyond what is claimed (0: nothing waits).
     void publish_want(int64_t pages);
@@ -108,6 +131,9 @@ public:
 private:
     void judge(const LedgerSnapshot& s);  // updates guarantee_, starving_, lending_
     void relend();
+    // Publishes keep_free (rule 5) when it changed: after every claim,
+    // release, judgement and headroom setting.
+    void publish_keep_free();
 
     std::shared_ptr<Ledger> ledger_;
     int slot_ = -1;
@@ -122,6 +148,10 @@ private:
     bool starving_ = false;  // another tenant waits below its guarantee
     bool others_waiting_ = false;
     bool lending_ = false;
+    bool headroom_short_ = false;  // the pool has less free than the others keep free
+    bool restoring_ = false;
+    int64_t headroom_bytes_ = 0;
+    int64_t keep_free_ = 0;  // as published
     uint32_t seen_generation_ = 0;
 };
 

@@ -214,6 +214,8 @@ LedgerSnapshot Ledger::snapshot(bool names) const {
         r.limit_state = t.limit_state.load(kSeq);
         r.lending = t.lending.load(kSeq);
         r.reserve_pages = t.reserve_pages.load(kSeq);
+        r.headroom = std::clamp<int64_t>(t.headroom.load(kSeq), 0, s.capacity);
+        r.keep_free = std::clamp<int64_t>(t.keep_free.load(kSeq), 0, s.capacity);
         r.allocs = t.allocs.load(std::memory_order_relaxed);
         r.shortages = t.shortages.load(std::memory_order_relaxed);
         // A writer stopped inside the seqlock: use what is there (a torn
@@ -293,8 +295,8 @@ void Ledger::release(int slot, int64_t bytes) {
     if (me.want.load(kSeq) > 0 || anyone_waiting(slot)) bump_generation();
 }
 
-bool Ledger::quiet_free_bytes(int slot, int64_t* free_bytes) const {
-    int64_t used = 0;
+bool Ledger::quiet_free_bytes(int slot, int64_t* free_bytes, int64_t* keep_free) const {
+    int64_t used = 0, keep = 0;
     for (int i = 0; i < kMaxTenants; ++i) {
         const TenantSlot& t = hdr_->tenants[i];
         if (t.pid.load(kSeq) <= 0 || t.live.load(kSeq) != 1) continue;
@@ -302,8 +304,10 @@ bool Ledger::quiet_free_bytes(int slot, int64_t* free_bytes) const {
         const int64_t cap = hdr_->capacity;
         used += std::clamp<int64_t>(t.claimed.load(kSeq), 0, cap) +
                 (i == slot ? 0 : std::clamp<int64_t>(t.pending.load(kSeq), 0, cap));
+        if (i != slot) keep += std::clamp<int64_t>(t.keep_free.load(kSeq), 0, cap);
     }
     *free_bytes = hdr_->capacity - used;
+    *keep_free = std::min(keep, hdr_->capacity);
     return true;
 }
 
@@ -327,6 +331,12 @@ void Ledger::publish_want(int slot, int64_t want_bytes) {
 
 void Ledger::publish_lending(int slot, bool lending) {
     hdr_->tenants[slot].lending.store(lending ? 1 : 0, std::memory_order_release);
+}
+
+void Ledger::publish_headroom(int slot, int64_t headroom_bytes, int64_t keep_free_bytes) {
+    TenantSlot& t = hdr_->tenants[slot];
+    t.headroom.store(headroom_bytes, kSeq);
+    t.keep_free.store(keep_free_bytes, kSeq);
 }
 
 }  // namespace kvpool

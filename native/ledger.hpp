@@ -45,8 +45,8 @@
 
 namespace kvpool {
 
-constexpr uint64_t kLedgerMagic = 0x4b56504f4f4c4c33ULL;  // "KVPOOLL3"
-constexpr uint32_t kLedgerVersion = 3;  // 3: allocs and shortages per slot
+constexpr uint64_t kLedgerMagic = 0x4b56504f4f4c4c34ULL;  // "KVPOOLL4"
+constexpr uint32_t kLedgerVersion = 4;  // 3: allocs and shortages per slot; 4: headroom, keep_free
 constexpr int kMaxTenants = 64;
 constexpr int kMaxNameLen = 64;             // pool and tenant names: [A-Za-z0-9][A-Za-z0-9._-]{0,63}
 constexpr int kNameBytes = 72;              // stored NUL-terminated
@@ -79,6 +79,13 @@ struct TenantSlot {
     std::atomic<int32_t> lending;     // 1 while it lends to a tenant below its guarantee
     std::atomic<int32_t> pad0;
     std::atomic<int64_t> judged_revision;  // the limit revision limit_state judged
+    // Headroom (budget.hpp, rule 5): bytes of its unused guarantee this
+    // tenant asks borrowers to leave free, so its next request is granted at
+    // once instead of after a borrower's step; keep_free is what that asks
+    // now (min(headroom, guarantee - claimed), 0 above the guarantee),
+    // computed by the owner's budget and summed by every judge.
+    std::atomic<int64_t> headroom;
+    std::atomic<int64_t> keep_free;
     // Monotonic (Prometheus counters): allocs the owner answered, granted or
     // refused for lack of memory or admission. Bumped on the hot path, so
     // relaxed: a reader wants a recent count, not an order against claims.
@@ -108,6 +115,7 @@ struct TenantRow {
     uint64_t wait_ticket = 0;
     int32_t waiting = 0, limit_state = 0, lending = 0;
     int64_t reserve_pages = 0;
+    int64_t headroom = 0, keep_free = 0;  // owner-published (TenantSlot)
     uint64_t allocs = 0, shortages = 0;  // owner-counted answers to alloc: granted, refused
     int64_t limit = -1, limit_revision = 0, guarantee = -1, guarantee_revision = 0;
 };
@@ -165,6 +173,7 @@ public:
     // generation when the want appears or goes (lenders react to it).
     void publish_want(int slot, int64_t want_bytes);
     void publish_lending(int slot, bool lending);
+    void publish_headroom(int slot, int64_t headroom_bytes, int64_t keep_free_bytes);
     // One alloc answered (granted, or refused: a shortage or beyond what the
     // tenant can ever hold). The hot path: one relaxed add on the owner's
     // slot, no lock, no syscall; inline so it costs no call either.
@@ -190,9 +199,10 @@ public:
     void bump_generation();  // and wake every waiter, in every process
     // When no other tenant wants memory (no waiter anywhere, the common
     // case): *free_bytes = capacity minus every claim but `slot`'s pending
-    // one, and true. False if someone waits (then the fair-share rules need
-    // a full snapshot). One pass, no settings read, no strings.
-    bool quiet_free_bytes(int slot, int64_t* free_bytes) const;
+    // one, *keep_free = what the other tenants ask borrowers to leave free,
+    // and true. False if someone waits (then the fair-share rules need a
+    // full snapshot). One pass, no settings read, no strings.
+    bool quiet_free_bytes(int slot, int64_t* free_bytes, int64_t* keep_free) const;
     // Whether any tenant other than `slot` has requests waiting.
     bool anyone_waiting(int slot) const;
 

@@ -167,6 +167,8 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
         t.judged_revision.store(0);
         t.reserve_pages.store(0);
         t.lending.store(0);
+        t.headroom.store(0);
+        t.keep_free.store(0);
         t.allocs.store(0);  // a new tenant's counters start at 0 (a reaper may have died before clearing)
         t.shortages.store(0);
         SlotSettings& st = t.settings;
@@ -234,6 +236,8 @@ void Ledger::free_slot(int slot) {
     t.waiting.store(0);
     t.wait_ticket.store(0);
     t.lending.store(0);
+    t.headroom.store(0);
+    t.keep_free.store(0);
     t.allocs.store(0);
     t.shortages.store(0);
     t.start_time.store(0);

@@ -29,13 +29,13 @@ namespace kvpool {
 // its guarantee (or one request's worth above it), and a tenant within its
 // own guarantee keeps every page it uses, never its idle ones.
 int64_t Space::reserve_target_max_locked() const {
-    return budget_.lending() || budget_.starving() ? 0 : cfg_.reserve_max;
+    return budget_.gives_back() || budget_.starving() ? 0 : cfg_.reserve_max;
 }
 
 // Idle pages above the reserve's max go back now, not after the idle
 // interval: another tenant waits (or this one lends), or no interval is set.
 bool Space::release_pressed_locked() const {
-    return cfg_.idle_release_s <= 0 || budget_.lending() || budget_.others_waiting();
+    return cfg_.idle_release_s <= 0 || budget_.gives_back() || budget_.others_waiting();
 }
 
 // A new idle interval: it ends idle_release_s from now; the low-water mark
@@ -59,7 +59,7 @@ Space::ThreadWork Space::thread_work_locked(std::chrono::steady_clock::time_poin
                             table_.count(PageState::Active) + n_reserve + table_.count(PageState::Committing) > lim;
     const bool excess = n_reserve > reserve_target_max_locked();
     w.want_release = over_limit || (excess && (idle_surplus_ > 0 || release_pressed_locked()));
-    const int64_t target_min = budget_.lending() || budget_.starving() ? 0 : cfg_.reserve_min;
+    const int64_t target_min = budget_.gives_back() || budget_.starving() ? 0 : cfg_.reserve_min;
     w.want_commit = table_.idle() < target_min && !table_.free_by_cap().empty() && budget_.room_pages() > 0;
     w.release_now = w.want_release && now >= release_retry_at_;
     w.commit_now = w.want_commit && now >= commit_retry_at_;

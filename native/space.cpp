@@ -159,9 +159,9 @@ int64_t Space::max_blocks_locked() const {
 // The settled view: in-flight commits count as reserve, in-flight releases as
 // free (their claim comes back), so available() never depends on the reserve
 // thread's timing; alloc waits for a transition when it needs the page in
-// flight. A lender's allocs are refused: nothing is available to it.
+// flight. A lender's (or restorer's) allocs are refused: nothing is available to it.
 int64_t Space::available_locked() const {
-    if (budget_.lending()) return 0;
+    if (budget_.gives_back()) return 0;
     int64_t avail = table_.partial_free() + idle_usable_cap_locked();
     int64_t k = budget_.room_pages(false, table_.count(PageState::Releasing));
     std::vector<int32_t> rel;
@@ -219,7 +219,7 @@ void Space::act_on_budget_locked() {
     // Pressure (another tenant waits, or this one lends) makes the whole
     // idle excess surplus now: it all goes back, even if the waiter is
     // served (and stops waiting) before the last of it is released.
-    if (budget_.others_waiting() || budget_.lending())
+    if (budget_.others_waiting() || budget_.gives_back())
         idle_surplus_ = std::max(idle_surplus_, table_.count(PageState::Reserve) - reserve_target_max_locked());
     commit_retry_at_ = {};
     if (cfg_.reserve_thread) cv_.notify_all();
@@ -327,6 +327,15 @@ Status Space::set_limit(int64_t bytes, int64_t revision, LimitResult* result) {
     act_on_budget_locked();  // gives pages back above a lowered limit
     signal_eventfd();  // a raised limit is new capacity for whoever waits
     return Status::ok();
+}
+
+Status Space::set_headroom(int64_t bytes) {
+    Status usable = check_usable();
+    if (!usable.is_ok()) return usable;
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return Status::make(Code::Closed, "space is closed");
+    refresh_budget_locked();  // keep_free is judged against the guarantee in force
+    return budget_.set_headroom(bytes);
 }
 
 Status Space::set_guarantee(int64_t bytes, int64_t revision, LimitResult* result) {

@@ -1,14 +1,15 @@
 """The pool ledger's byte layout, mirrored from native/ledger.hpp with ctypes
 (not collected: a helper for the hostile tests that write a segment by hand).
 
-    offset 0                                                       13864
-    | header (40 B) | slot 0 (216 B) | slot 1 | ... | slot 63 |
+    offset 0                                                       14888
+    | header (40 B) | slot 0 (232 B) | slot 1 | ... | slot 63 |
       magic u64, version u32, header_bytes u32, capacity i64,
       generation u32, pad u32, tickets u64
 
     slot: pid i32 | live u32 | pidns u64 | start_time u64 | name[72] |
           claimed | pending | want | wait_ticket | waiting i32 | limit_state i32 |
-          reserve_pages | lending i32 | pad i32 | judged_revision | allocs u64 | shortages u64 |
+          reserve_pages | lending i32 | pad i32 | judged_revision | headroom | keep_free |
+          allocs u64 | shortages u64 |
           settings: seq u64, limit,
           limit_revision, guarantee, guarantee_revision
 
@@ -37,7 +38,8 @@ class TenantSlot(ctypes.Structure):
                 ("claimed", ctypes.c_int64), ("pending", ctypes.c_int64), ("want", ctypes.c_int64),
                 ("wait_ticket", ctypes.c_uint64), ("waiting", ctypes.c_int32), ("limit_state", ctypes.c_int32),
                 ("reserve_pages", ctypes.c_int64), ("lending", ctypes.c_int32), ("pad0", ctypes.c_int32),
-                ("judged_revision", ctypes.c_int64), ("allocs", ctypes.c_uint64), ("shortages", ctypes.c_uint64),
+                ("judged_revision", ctypes.c_int64), ("headroom", ctypes.c_int64), ("keep_free", ctypes.c_int64),
+                ("allocs", ctypes.c_uint64), ("shortages", ctypes.c_uint64),
                 ("settings", SlotSettings)]
 
 
@@ -71,7 +73,7 @@ def check(pool: str) -> None:
     assert size == ctypes.sizeof(LedgerHeader), (
         f"ledger.hpp changed: the segment is {size} bytes, this mirror {ctypes.sizeof(LedgerHeader)}")
     h = read(pool)
-    assert h.magic == 0x4B56504F4F4C4C33 and h.version == 3 and h.header_bytes == size, "ledger.hpp changed"
+    assert h.magic == 0x4B56504F4F4C4C34 and h.version == 4 and h.header_bytes == size, "ledger.hpp changed"
 
 
 def slot_of(pool: str, tenant: str) -> int:

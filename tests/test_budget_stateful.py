@@ -3,7 +3,7 @@
 Tenants are KVSpaces of one private pool in this process (no reserve thread,
 so every page move is the step's own doing), plus idle tenants in child
 processes that hold memory and can be SIGKILLed. Rules: join, leave, alloc,
-free, set_limit, set_guarantee, start and stop waiting (``report_waiting``
+free, set_limit, set_guarantee, set_headroom, start and stop waiting (``report_waiting``
 after a refused alloc, as a manager does when it queues a request), spawn
 and SIGKILL a child tenant.
 
@@ -17,7 +17,10 @@ which is what its watcher or its next call does):
   * a waiting tenant below its guarantee is granted (its alloc succeeds)
     once the pool's free memory covers its request within its guarantee and
     ahead of what other such waiters want. Waiters are retried after every
-    step, as a manager's dispatch retries on every wake-up.
+    step, as a manager's dispatch retries on every wake-up;
+  * every tenant publishes keep_free = min(headroom, guarantee - claimed).
+And at every grant: a claim that takes a tenant past its guarantee leaves at
+least what the other tenants not waiting keep free (the headroom rule).
 """
 
 from __future__ import annotations
@@ -149,6 +152,7 @@ class BudgetMachine(RuleBasedStateMachine):
         covered = self._covered(t)
         if covered:
             event("a waiter below its guarantee was covered by free memory")
+        before = self._before(t)
         try:
             ids = t.space.alloc(t.waiting)
         except RequestTooLarge:
@@ -159,8 +163,28 @@ class BudgetMachine(RuleBasedStateMachine):
             assert not covered, covered
             return False
         t.held.extend(ids.tolist())
+        self._check_borrow(t, before)
         self._stop_waiting(t)
         return True
+
+    def _before(self, t: Tenant) -> tuple[int, int, int]:
+        """(claimed, guarantee, what the others not waiting keep free) before t's alloc."""
+        b = t.space.budget()
+        keep = sum(r.keep_free_bytes for r in self.pool.snapshot().tenants
+                   if r.name != t.space.name and r.want_bytes == 0)
+        return b.claimed_bytes, b.guarantee_bytes, keep
+
+    def _check_borrow(self, t: Tenant, before: tuple[int, int, int]) -> None:
+        """The headroom rule at a grant: growing past the guarantee leaves what the others keep free."""
+        claimed, guarantee, keep = before
+        grew = t.space.budget().claimed_bytes - claimed
+        if grew > max(0, guarantee - claimed):
+            snap = self.pool.snapshot()
+            free = snap.capacity - snap.committed
+            if keep:
+                event("a borrower grew beside a tenant keeping headroom free")
+            assert free >= keep, (f"{t.space.name} grew {grew} bytes past its guarantee ({claimed} of {guarantee} "
+                                  f"claimed) leaving {free} free, less than the {keep} others keep free")
 
     def _stop_waiting(self, t: Tenant) -> None:
         t.waiting = 0
@@ -177,14 +201,14 @@ class BudgetMachine(RuleBasedStateMachine):
 
     # --------------------------------------------------------------- rules
     @precondition(lambda self: self._count() < MAX_TENANTS)
-    @rule(guarantee=st.none() | st.integers(0, CAP_PAGES), roomy=st.booleans())
-    def join(self, guarantee: int | None, roomy: bool) -> None:
+    @rule(guarantee=st.none() | st.integers(0, CAP_PAGES), roomy=st.booleans(), headroom=st.integers(0, 3))
+    def join(self, guarantee: int | None, roomy: bool, headroom: int) -> None:
         name = f"t{next(self.names)}"
         g = None if guarantee is None else guarantee * PCB
         explicit = self._explicit()
         try:
             space = KVSpace(G, pool=self.pool, name=name, reserve_thread=False,
-                            reserve=(0, 2) if roomy else (0, 0), guarantee_bytes=g)
+                            reserve=(0, 2) if roomy else (0, 0), guarantee_bytes=g, headroom_bytes=headroom * PCB)
         except (ValueError, LedgerError) as e:  # LedgerError today; Pool.set_guarantee says ValueError
             assert g is not None and explicit + g > CAP, e
             assert name not in {t.name for t in self.pool.snapshot().tenants}
@@ -212,6 +236,7 @@ class BudgetMachine(RuleBasedStateMachine):
             self._retry(t)
             return
         max_blocks, available = t.space.max_blocks(), t.space.available()
+        before = self._before(t)
         try:
             ids = t.space.alloc(n)
         except RequestTooLarge:
@@ -222,6 +247,7 @@ class BudgetMachine(RuleBasedStateMachine):
             return
         assert n <= max(max_blocks, available)
         t.held.extend(ids.tolist())
+        self._check_borrow(t, before)
 
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
@@ -276,12 +302,20 @@ class BudgetMachine(RuleBasedStateMachine):
         b = t.space.budget()
         assert (b.guarantee_setting, b.guarantee_revision) == (g, before.guarantee_revision + 1)
 
+    @rule(data=st.data(), pages=st.integers(0, 3))
+    def set_headroom(self, data: st.DataObject, pages: int) -> None:
+        picked = self._pick(data)
+        if picked is not None:
+            picked[1].space.set_headroom(pages * PCB)
+            assert picked[1].space.budget().headroom_bytes == pages * PCB
+
     @rule(data=st.data(), n=st.integers(1, 3 * BPP))
     def start_waiting(self, data: st.DataObject, n: int) -> None:
         picked = self._pick(data, waiting=False)
         if picked is None:
             return
         _, t = picked
+        before = self._before(t)
         try:
             ids = t.space.alloc(n)
         except RequestTooLarge:
@@ -291,6 +325,7 @@ class BudgetMachine(RuleBasedStateMachine):
             t.space.report_waiting(1)  # the manager queued it
             return
         t.held.extend(ids.tolist())
+        self._check_borrow(t, before)
 
     @rule(data=st.data())
     def stop_waiting(self, data: st.DataObject) -> None:
@@ -353,6 +388,8 @@ class BudgetMachine(RuleBasedStateMachine):
                 assert b.lending, f"{name} borrows ({b.claimed_bytes} > {b.guarantee_bytes}) while {starving} wait"
             if b.lending:
                 assert s.pages_reserve == 0, f"{name} lends but keeps {s.pages_reserve} idle pages"
+            keep = min(b.headroom_bytes, max(0, b.guarantee_bytes - b.claimed_bytes))
+            assert b.keep_free_bytes == rows[name].keep_free_bytes == keep, (name, b, rows[name])
 
     def _serve(self) -> None:
         for _, t in sorted(self.tenants.items()):

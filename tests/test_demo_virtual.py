@@ -163,19 +163,23 @@ def test_the_virtual_clock_runs_in_one_process_only() -> None:
 # Where the bar is not met yet, the case is a strict xfail with the measured
 # reason (the runs are exact: the same figures on any machine), so a change
 # that meets it turns the mark into a failure that asks for its removal.
-# Measured on this policy (scripts/demo_virtual_sweep.py --compute per-engine):
-#   bursty:    worst p99 0.85-1.04x, waiting 0.69-0.76x
-#   steady:    worst p99 0.04-1.00x, waiting 0.00-0.56x
-#   saturated: worst p99 2.05-5.20x, waiting 0.80-0.83x
-_RECLAIM_STEP = ("a borrower gives memory back only at its next step boundary, so a light engine that never waits "
-                 "under a static split waits up to one borrower step (needs a headroom rule: keep each "
-                 "below-guarantee tenant's next request free)")
-_P99_MISSES = {("bursty", 18), ("bursty", 19), *(("saturated", s) for s in range(20))}
-_WAIT_MISSES = {*(("bursty", s) for s in range(20)), ("steady", 5), *(("saturated", s) for s in range(20))}
-_WAIT_WHY = {"bursty": "borrowing cuts waiting to 0.69-0.76x, not 0.5x, with this engine's per-sequence decode cost",
-             "steady": "seed 5 overloads one engine while the others run near their slices (0.565x)",
+# Measured on this policy, every demo engine keeping its largest request as
+# headroom (scripts/demo_virtual_sweep.py --compute per-engine):
+#   bursty:    worst p99 0.87-1.04x, waiting 0.75-0.80x
+#   steady:    worst p99 0.14-1.00x, waiting 0.01-0.68x
+#   saturated: worst p99 1.00x,      waiting 0.82-0.84x
+# Before the headroom rule: bursty p99 0.85-1.04x, waiting 0.69-0.76x; steady
+# waiting 0.00-0.56x; saturated p99 2.05-5.20x (every seed), waiting 0.80-0.83x.
+_BURST_P99 = ("in 2 of 20 bursty runs one engine's p99 is 1.02-1.04x its static slice's: it falls in that "
+              "engine's own burst, where it borrows less than it could (the others' headroom stays free) and "
+              "stops growing while a neighbour's request takes headroom")
+_P99_MISSES = {("bursty", 12), ("bursty", 19)}
+_WAIT_MISSES = {*(("bursty", s) for s in range(20)), ("steady", 5), ("steady", 6),
+                *(("saturated", s) for s in range(20))}
+_WAIT_WHY = {"bursty": "borrowing cuts waiting to 0.75-0.80x, not 0.5x, with this engine's per-sequence decode cost",
+             "steady": "seeds 5 and 6 overload one engine while the others run near their slices (0.68x, 0.63x)",
              "saturated": "the saturated engine is compute-bound (about 1,515 of 2,765 tokens/s demanded): "
-                          "more memory cannot shorten its queue (0.80-0.83x)"}
+                          "more memory cannot shorten its queue (0.82-0.84x)"}
 
 
 def _cases(misses: set[tuple[str, int]], why: dict[str, str]) -> list[object]:
@@ -184,7 +188,7 @@ def _cases(misses: set[tuple[str, int]], why: dict[str, str]) -> list[object]:
             for shape in SHAPES for seed in range(20)]
 
 
-@pytest.mark.parametrize(("shape", "seed"), _cases(_P99_MISSES, {s: _RECLAIM_STEP for s in SHAPES}))
+@pytest.mark.parametrize(("shape", "seed"), _cases(_P99_MISSES, {s: _BURST_P99 for s in SHAPES}))
 def test_no_engine_is_worse_off_sharing_the_pool_than_with_its_static_slice(shape: str, seed: int) -> None:
     res = _virtual("--trace", shape, "--seed", str(seed), "--compute", "per-engine")
     el, st = res["elastic"], res["static"]

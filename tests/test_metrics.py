@@ -59,7 +59,7 @@ def pool_name() -> Iterator[str]:
 def test_exposition_matches_the_ledger(pool_name: str, make_space: Callable[..., KVSpace]) -> None:
     pool = Pool(pool_name, create=False)
     a = make_space(GEOMETRY, pool=pool, name="engine-a")
-    b = make_space(GEOMETRY, pool=pool, name="engine-b", reserve=(1, 1))
+    b = make_space(GEOMETRY, pool=pool, name="engine-b", reserve=(1, 1), headroom_bytes=2 * PCB)
     for _ in range(3):
         a.alloc(PER_PAGE)
     b.alloc(PER_PAGE)
@@ -74,6 +74,7 @@ def test_exposition_matches_the_ledger(pool_name: str, make_space: Callable[...,
         assert samples[("kvpool_tenant_info", (("pid", str(t.pid)), ("pool", pool_name), ("slot", str(t.slot)),
                                                ("tenant", name)))] == 1
     assert ledger["engine-a"].committed_bytes == 3 * PCB
+    assert ledger["engine-b"].keep_free_bytes == 2 * PCB and ledger["engine-a"].keep_free_bytes == 0
     assert samples[tenant_key("kvpool_tenant_limit_bytes", pool_name, "engine-b")] == 8 * MiB
     assert samples[tenant_key("kvpool_tenant_limit_revision", pool_name, "engine-b")] == 1
     assert samples[tenant_key("kvpool_tenant_limit_deferred", pool_name, "engine-b")] == 0
@@ -86,7 +87,8 @@ def test_exposition_matches_the_ledger(pool_name: str, make_space: Callable[...,
     fields = {f.name for f in dataclasses.fields(TenantInfo)}
     for metric, field in (("kvpool_tenant_guarantee_bytes", "guarantee_bytes"),
                           ("kvpool_tenant_borrowed_bytes", "borrowed_bytes"),
-                          ("kvpool_tenant_wanted_bytes", "want_bytes"), ("kvpool_tenant_lending", "lending")):
+                          ("kvpool_tenant_wanted_bytes", "want_bytes"), ("kvpool_tenant_lending", "lending"),
+                          ("kvpool_tenant_keep_free_bytes", "keep_free_bytes")):
         for name, t in ledger.items():
             if field in fields:
                 assert samples[tenant_key(metric, pool_name, name)] == float(getattr(t, field)), metric
