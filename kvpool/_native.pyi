@@ -187,6 +187,9 @@ class TenantRow:
     def lending(self) -> int: ...
 
     @property
+    def restoring(self) -> int: ...
+
+    @property
     def reserve_pages(self) -> int: ...
 
     @property

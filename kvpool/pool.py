@@ -246,6 +246,7 @@ class TenantInfo:
     borrowed_bytes: int            # committed above the guarantee
     want_bytes: int                # what its waiting requests need beyond what it holds
     lending: bool                  # gives memory back to a tenant below its guarantee
+    restoring: bool                # gives back what other tenants keep free (their headroom)
     headroom_bytes: int            # of its unused guarantee, asked to be kept free from borrowers
     keep_free_bytes: int           # what that asks now: min(headroom, guarantee - committed)
     visible: bool                  # in this PID namespace (its liveness is judged here)
@@ -323,7 +324,8 @@ class Pool:
                 reserve_pages=r.reserve_pages, guarantee_bytes=g,
                 guarantee_setting=None if r.guarantee < 0 else r.guarantee,
                 guarantee_revision=r.guarantee_revision, borrowed_bytes=max(0, r.claimed - g),
-                want_bytes=r.want, lending=bool(r.lending), headroom_bytes=r.headroom,
+                want_bytes=r.want, lending=bool(r.lending), restoring=bool(r.restoring),
+                headroom_bytes=r.headroom,
                 keep_free_bytes=r.keep_free, visible=bool(r.visible),
                 allocs=r.allocs, shortages=r.shortages,
             ))

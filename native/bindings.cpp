@@ -278,6 +278,7 @@ NB_MODULE(_native, m) {
         .def_ro("waiting", &kvpool::TenantRow::waiting)
         .def_ro("limit_state", &kvpool::TenantRow::limit_state)
         .def_ro("lending", &kvpool::TenantRow::lending)
+        .def_ro("restoring", &kvpool::TenantRow::restoring)
         .def_ro("reserve_pages", &kvpool::TenantRow::reserve_pages)
         .def_ro("headroom", &kvpool::TenantRow::headroom)
         .def_ro("keep_free", &kvpool::TenantRow::keep_free)

@@ -116,10 +116,11 @@ Status Budget::set_headroom(int64_t bytes) {
 void Budget::relend() {
     const bool above = ledger_ && claimed_pages_ * pcb_ > guarantee_bytes_;
     const bool lending = above && starving_;
-    restoring_ = above && headroom_short_ && !lending;
-    if (lending != lending_) {
+    const bool restoring = above && headroom_short_ && !lending;
+    if (lending != lending_ || restoring != restoring_) {
         lending_ = lending;
-        ledger_->publish_lending(slot_, lending);
+        restoring_ = restoring;
+        ledger_->publish_lending(slot_, lending ? 1 : restoring ? 2 : 0);
     }
 }
 
@@ -163,7 +164,10 @@ bool Budget::claim(int64_t pages, std::string* why, bool promised) {
         starving_ = sh.starving;
         others_waiting_ = sh.others_waiting;
         if (bytes <= (promised ? sh.free : sh.room)) {
-            took_headroom = sh.other_borrower && sh.free - bytes < sh.keep_free;
+            // What this tenant itself asks to keep free once the claim is in.
+            const int64_t mine_after =
+                std::clamp<int64_t>(sh.guarantee - claimed_pages_ * pcb_ - bytes, 0, headroom_bytes_);
+            took_headroom = sh.other_borrower && sh.free - bytes < sh.keep_free + mine_after;
             headroom_short_ = sh.free - bytes < sh.keep_free;
             return true;
         }
@@ -189,8 +193,8 @@ void Budget::release(int64_t pages) {
     if (pages <= 0) return;
     claimed_pages_ -= pages;
     if (ledger_) ledger_->release(slot_, pages * pcb_);
-    // Lending for the others' headroom: judge again, so lending ends as soon
-    // as what they keep free is back.
+    // Restoring the others' headroom: judge again, so it ends as soon as
+    // what they keep free is back.
     if (ledger_ && restoring_) judge(ledger_->snapshot(false));
     relend();
     publish_keep_free();

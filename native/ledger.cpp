@@ -212,7 +212,8 @@ LedgerSnapshot Ledger::snapshot(bool names) const {
         r.wait_ticket = t.wait_ticket.load(kSeq);
         r.waiting = t.waiting.load(kSeq);
         r.limit_state = t.limit_state.load(kSeq);
-        r.lending = t.lending.load(kSeq);
+        r.lending = t.lending.load(kSeq) == 1 ? 1 : 0;
+        r.restoring = t.lending.load(kSeq) == 2 ? 1 : 0;
         r.reserve_pages = t.reserve_pages.load(kSeq);
         r.headroom = std::clamp<int64_t>(t.headroom.load(kSeq), 0, s.capacity);
         r.keep_free = std::clamp<int64_t>(t.keep_free.load(kSeq), 0, s.capacity);
@@ -291,8 +292,9 @@ void Ledger::release(int slot, int64_t bytes) {
     me.claimed.fetch_sub(bytes, kSeq);
     // Wake other processes only if someone waits for budget: another tenant,
     // or this one (a waiter freeing its way below its guarantee makes the
-    // borrowers lenders: they must look again).
-    if (me.want.load(kSeq) > 0 || anyone_waiting(slot)) bump_generation();
+    // borrowers lenders: they must look again), or a borrower restoring the
+    // others' headroom (what comes back may end that).
+    if (me.want.load(kSeq) > 0 || anyone_waiting(slot) || anyone_restoring(slot)) bump_generation();
 }
 
 bool Ledger::quiet_free_bytes(int slot, int64_t* free_bytes, int64_t* keep_free) const {
@@ -329,8 +331,16 @@ void Ledger::publish_want(int slot, int64_t want_bytes) {
     if ((old == 0) != (want_bytes == 0)) bump_generation();  // lenders start or stop lending
 }
 
-void Ledger::publish_lending(int slot, bool lending) {
-    hdr_->tenants[slot].lending.store(lending ? 1 : 0, std::memory_order_release);
+void Ledger::publish_lending(int slot, int32_t state) {
+    hdr_->tenants[slot].lending.store(state, std::memory_order_release);
+}
+
+bool Ledger::anyone_restoring(int slot) const {
+    for (int i = 0; i < kMaxTenants; ++i)
+        if (i != slot && hdr_->tenants[i].pid.load(std::memory_order_acquire) > 0 &&
+            hdr_->tenants[i].lending.load(std::memory_order_acquire) == 2)
+            return true;
+    return false;
 }
 
 void Ledger::publish_headroom(int slot, int64_t headroom_bytes, int64_t keep_free_bytes) {

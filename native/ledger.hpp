@@ -76,7 +76,8 @@ struct TenantSlot {
     std::atomic<int32_t> waiting;     // waiting requests
     std::atomic<int32_t> limit_state; // 0 applied, 1 deferred: the owner's verdict
     std::atomic<int64_t> reserve_pages;  // idle committed pages
-    std::atomic<int32_t> lending;     // 1 while it lends to a tenant below its guarantee
+    std::atomic<int32_t> lending;     // 1 while it lends to a tenant below its guarantee, 2 while it
+                                      // restores what others keep free (budget.hpp, rule 5)
     std::atomic<int32_t> pad0;
     std::atomic<int64_t> judged_revision;  // the limit revision limit_state judged
     // Headroom (budget.hpp, rule 5): bytes of its unused guarantee this
@@ -113,7 +114,7 @@ struct TenantRow {
     std::string name;
     int64_t claimed = 0, pending = 0, want = 0;
     uint64_t wait_ticket = 0;
-    int32_t waiting = 0, limit_state = 0, lending = 0;
+    int32_t waiting = 0, limit_state = 0, lending = 0, restoring = 0;
     int64_t reserve_pages = 0;
     int64_t headroom = 0, keep_free = 0;  // owner-published (TenantSlot)
     uint64_t allocs = 0, shortages = 0;  // owner-counted answers to alloc: granted, refused
@@ -172,7 +173,7 @@ public:
     // Takes a wait ticket on the first want, drops it on 0; bumps the
     // generation when the want appears or goes (lenders react to it).
     void publish_want(int slot, int64_t want_bytes);
-    void publish_lending(int slot, bool lending);
+    void publish_lending(int slot, int32_t state);  // 0, 1 lending, 2 restoring
     void publish_headroom(int slot, int64_t headroom_bytes, int64_t keep_free_bytes);
     // One alloc answered (granted, or refused: a shortage or beyond what the
     // tenant can ever hold). The hot path: one relaxed add on the owner's
@@ -205,6 +206,9 @@ public:
     bool quiet_free_bytes(int slot, int64_t* free_bytes, int64_t* keep_free) const;
     // Whether any tenant other than `slot` has requests waiting.
     bool anyone_waiting(int slot) const;
+    // Whether any tenant other than `slot` restores what others keep free
+    // (it must hear of memory coming back: a release then bumps the generation).
+    bool anyone_restoring(int slot) const;
 
     // Test hook: the next claim stops this process (SIGSTOP) with its claim
     // pending, inside the claim protocol.

@@ -125,6 +125,34 @@ def test_growing_past_the_guarantee_stops_at_what_others_keep_free(pool_name: st
         b.close()
 
 
+def test_a_borrower_restores_taken_headroom_and_stops_once_it_is_free_again(pool_name: str) -> None:
+    pool = Pool(pool_name, capacity=CAP)
+    b = space(pool, "B", headroom_bytes=2 * PCB)
+    a = space(pool, "A")
+    try:
+        held = a.alloc((POOL_PAGES - 2) * BPP)  # all but B's 2 pages
+        a.free(held[:1])  # one block free inside A's own pages
+        assert a.available() == 1
+        # B grows within its guarantee into its headroom: it still asks for 2
+        # pages kept free and none is, so A restores them: no alloc, not even
+        # inside its own pages, and no preemption asked (lending stays false).
+        got = b.alloc(2 * BPP)
+        ab = a.budget()
+        assert ab.restoring and not ab.lending
+        assert row(pool, "A").restoring and not row(pool, "A").lending
+        assert a.available() == 0
+        with pytest.raises(PoolExhausted):
+            a.alloc(1)
+        # B gives its pages back: A hears of it (the release bumps the pool's
+        # generation because A restores) and borrows inside its pages again.
+        b.free(got)
+        assert not a.budget().restoring and a.available() == 1
+        assert len(a.alloc(1)) == 1
+    finally:
+        a.close()
+        b.close()
+
+
 def test_keep_free_follows_the_guarantee_and_the_claims(pool_name: str) -> None:
     pool = Pool(pool_name, capacity=CAP)
     b = space(pool, "B", headroom_bytes=3 * PCB, guarantee_bytes=4 * PCB)
