@@ -16,11 +16,17 @@ runs could hand the pool's last pages to different engines. asyncio runs
 ready callbacks first in, first out and keeps its timers in a heap fed in
 program order: the same program gives the same interleaving every time.
 
-File descriptors still work: the managers watch their spaces' eventfds, which
-the native watcher threads signal when the pool's generation moves. Those
-arrive at real, not virtual, times; they are polled without waiting and are
-harmless here because the demo hands capacity over synchronously at each
-free (``KVCacheManager.poll``), so a late wake-up finds nothing left to grant.
+File descriptors still work, but the managers' wake-ups do not drive a run:
+the native watcher threads signal the spaces' eventfds when the pool's
+generation moves, at real, not virtual, times (on a busy machine later, in
+virtual time, than on a quiet one: a grant that waited for one made the same
+seed give other figures under load). The demo mutes those fds
+(:meth:`VirtualClockLoop.mute`) and registers an idle hook instead
+(:meth:`VirtualClockLoop.on_idle`): whenever nothing is ready and the clock
+would jump, the hooks run first (the demo re-checks every waiting engine's
+capacity, what the wake-up would have made it do), and while a hook reports
+that it made something ready the clock stays. Every grant thus happens at a
+point of the program, never at a point of the machine's time.
 Nothing in a virtual run may wait for a thread (``to_thread``): the clock
 would jump past it. A run in which every task waits and no timer is due is a
 deadlock, reported as :class:`VirtualDeadlock` rather than hung.
@@ -31,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import selectors
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -49,9 +55,12 @@ class _JumpingSelector(selectors.DefaultSelector):
         self._loop = loop
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        ready: list[tuple[selectors.SelectorKey, int]] = super().select(0)
+        muted = self._loop._muted
+        ready = [(key, ev) for key, ev in super().select(0) if key.fd not in muted]
         if ready or timeout == 0:
             return ready
+        if self._loop._run_idle_hooks():
+            return ready  # a hook made callbacks ready at this instant: run them before time moves
         if timeout is None:
             raise VirtualDeadlock(
                 f"virtual clock at {self._loop.time():.3f} s: every task waits and no timer is due "
@@ -73,7 +82,29 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
     def __init__(self) -> None:
         self._ns = 0
+        self._muted: set[int] = set()
+        self._idle_hooks: list[Callable[[], bool]] = []
         super().__init__(_JumpingSelector(self))
+
+    def mute(self, fd: int) -> None:
+        """Never report ``fd`` ready: its readers do not run (see the module docstring)."""
+        self._muted.add(fd)
+
+    def unmute(self, fd: int) -> None:
+        self._muted.discard(fd)
+
+    def on_idle(self, hook: Callable[[], bool]) -> Callable[[], None]:
+        """Run ``hook`` whenever nothing is ready, before the clock jumps; it
+        returns whether it made anything ready (then the clock stays). Returns
+        the function that removes it."""
+        self._idle_hooks.append(hook)
+        return lambda: self._idle_hooks.remove(hook)
+
+    def _run_idle_hooks(self) -> bool:
+        acted = False
+        for hook in list(self._idle_hooks):
+            acted = hook() or acted  # every hook runs, in the order registered
+        return acted
 
     def time(self) -> float:
         return self._ns / 1e9
