@@ -34,11 +34,11 @@ if typing.TYPE_CHECKING:  # the type checker sees plain imports; at run time the
     from .pool import Pool as Pool
     from .pool import TenantInfo as TenantInfo
     from .pool import list_pools as list_pools
-    from .space import BudgetStats as BudgetStats
+    from ._space_stats import BudgetStats as BudgetStats
+    from ._space_stats import PageInfo as PageInfo
+    from ._space_stats import SpaceStats as SpaceStats
     from .space import KVSpace as KVSpace
-    from .space import PageInfo as PageInfo
     from .space import SharedMemory as SharedMemory
-    from .space import SpaceStats as SpaceStats
     from .space import cuda_unavailable_reason as cuda_unavailable_reason
     from .space import map_shared as map_shared
     from .tracing import bind_request as bind_request
@@ -57,11 +57,11 @@ _LAZY = {
     "Pool": "pool",
     "TenantInfo": "pool",
     "list_pools": "pool",
-    "BudgetStats": "space",
+    "BudgetStats": "_space_stats",
     "KVSpace": "space",
-    "PageInfo": "space",
+    "PageInfo": "_space_stats",
     "SharedMemory": "space",
-    "SpaceStats": "space",
+    "SpaceStats": "_space_stats",
     "cuda_unavailable_reason": "space",
     "map_shared": "space",
     "bind_request": "tracing",

@@ -11,7 +11,7 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn, cast
+from typing import Literal, NoReturn, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +20,7 @@ import torch.utils.dlpack
 
 from . import _core
 from . import _validate as V
+from ._space_stats import BudgetStats, PageInfo, PageStateName, SpaceStats
 from .errors import BackendError, GeometryError, InvalidBlocks, PoolClosed
 from .geometry import Geometry
 from .pool import Pool
@@ -28,103 +29,9 @@ __all__ = ["BudgetStats", "KVSpace", "PageInfo", "SharedMemory", "SpaceStats", "
            "map_shared"]
 
 BlockIds = npt.NDArray[np.int64]
-PageStateName = Literal["free", "committing", "reserve", "active", "releasing"]
 _STATE_NAMES: tuple[PageStateName, ...] = ("free", "committing", "reserve", "active", "releasing")
 _tenant_ids = itertools.count()
 _FAULT_KINDS = {"commit": 0, "release": 1}
-
-
-@dataclass(frozen=True)
-class BudgetStats:
-    """A tenant's budget as its one native owner sees it (ARCHITECTURE.md, "Fair share").
-
-    ``guarantee_bytes`` is the guarantee in force: the explicit one
-    (``guarantee_setting``), or an equal share of what explicit guarantees
-    leave among the pool's tenants on the default. ``borrowed_bytes`` is
-    what the tenant holds above it; while ``lending`` (it borrows and a
-    tenant below its guarantee waits) its allocs are refused and its emptied
-    pages go back to the pool at once. ``headroom_bytes`` is how much of
-    its unused guarantee the tenant asks borrowers to leave free, and
-    ``keep_free_bytes`` what that asks now (``min(headroom, guarantee -
-    claimed)``). While ``restoring`` it borrows what the others keep free
-    (one of them grew within its guarantee into it): its allocs are refused
-    and its emptied pages go back, as a lender's, but its engine need not
-    preempt. A private space (no pool) has no guarantee (0), never lends
-    and keeps nothing free.
-    """
-
-    pooled: bool
-    limit_bytes: int | None
-    limit_revision: int
-    guarantee_bytes: int
-    guarantee_setting: int | None
-    guarantee_revision: int
-    claimed_bytes: int
-    borrowed_bytes: int
-    want_bytes: int
-    lending: bool
-    restoring: bool
-    headroom_bytes: int
-    keep_free_bytes: int
-    pool_capacity: int | None
-
-    @classmethod
-    def _from_native(cls, b: Any) -> BudgetStats:
-        return cls(
-            pooled=bool(b.pooled), limit_bytes=None if b.limit_bytes < 0 else int(b.limit_bytes),
-            limit_revision=int(b.limit_revision), guarantee_bytes=int(b.guarantee_bytes),
-            guarantee_setting=None if b.guarantee_setting < 0 else int(b.guarantee_setting),
-            guarantee_revision=int(b.guarantee_revision), claimed_bytes=int(b.claimed_bytes),
-            borrowed_bytes=int(b.borrowed_bytes), want_bytes=int(b.want_bytes), lending=bool(b.lending), restoring=bool(b.restoring),
-            headroom_bytes=int(b.headroom_bytes), keep_free_bytes=int(b.keep_free_bytes),
-            pool_capacity=None if b.pool_capacity < 0 else int(b.pool_capacity),
-        )
-
-
-@dataclass(frozen=True)
-class SpaceStats:
-    """A consistent snapshot of one space (taken under its lock)."""
-
-    num_blocks: int
-    capacity: int
-    num_pages: int
-    used_blocks: int
-    available: int
-    pages_free: int
-    pages_committing: int
-    pages_reserve: int
-    pages_active: int
-    pages_releasing: int
-    committed_bytes: int
-    page_commit_bytes: int
-    limit_pages: int
-    limit_deferred: bool  # committed pages above the limit in force (the one verdict)
-    allocs: int
-    frees: int
-    shortages: int
-    commits: int
-    releases: int
-    inline_commits: int
-    inline_releases: int
-    commit_failures: int
-    release_failures: int
-    last_error: str
-    max_blocks: int  # the most this tenant can ever hold: larger allocs raise RequestTooLarge
-    budget: BudgetStats
-    backend: str  # what the backend chose (mapping count, CUDA map-offset mode)
-
-    @classmethod
-    def _from_native(cls, s: Any) -> SpaceStats:
-        names = [f for f in cls.__dataclass_fields__ if f != "budget"]
-        return cls(**{f: getattr(s, f) for f in names}, budget=BudgetStats._from_native(s.budget))
-
-
-@dataclass(frozen=True)
-class PageInfo:
-    page: int
-    state: PageStateName
-    used: int
-    capacity: int
 
 
 @dataclass(frozen=True)
@@ -255,9 +162,7 @@ class KVSpace:
         guarantee = self._limit_arg(guarantee_bytes, "guarantee_bytes")
         if guarantee >= 0 and pool is None:
             raise ValueError("guarantee_bytes needs a pool: a private space has the whole budget")
-        headroom = V.integer("headroom_bytes", headroom_bytes)
-        if headroom and pool is None:
-            raise ValueError("headroom_bytes needs a pool: a private space has no neighbours to keep it free from")
+        headroom = self._headroom_arg(headroom_bytes, pooled=pool is not None)
         self.pool = Pool(pool, device=device) if isinstance(pool, str) else pool
         self.name = name if name is not None else f"{os.getpid()}-{next(_tenant_ids)}"
         try:
@@ -291,6 +196,14 @@ class KVSpace:
         """The native form of a limit (or guarantee): -1 for none."""
         limit = V.optional_integer(what, limit_bytes)
         return -1 if limit is None else limit
+
+    @staticmethod
+    def _headroom_arg(headroom_bytes: int, *, pooled: bool) -> int:
+        """The checked headroom: bytes >= 0, and none asked of a private space."""
+        headroom = V.integer("headroom_bytes", headroom_bytes)
+        if headroom and not pooled:
+            raise ValueError("headroom_bytes needs a pool: a private space has no neighbours to keep it free from")
+        return headroom
 
     @staticmethod
     def _reserve_arg(reserve: tuple[int, int]) -> tuple[int, int]:
@@ -419,11 +332,9 @@ class KVSpace:
         step. Only this tenant's owner sets it; it is not revisioned.
         """
         self._check_open()
-        headroom = V.integer("headroom_bytes", headroom_bytes)
+        headroom = self._headroom_arg(headroom_bytes, pooled=self.pool is not None)
         if self.pool is None:
-            if headroom:
-                raise ValueError("headroom_bytes needs a pool: a private space has no neighbours to keep it free from")
-            return
+            return  # 0 asked of a private space: nothing to keep free
         code, msg = self._space.set_headroom(headroom)
         if code != _core.CODE_OK:
             _core.raise_status(code, msg)
