@@ -24,6 +24,18 @@ struct Share {
     std::string starving_name;
 };
 
+// The borrow rule (budget.hpp), the one place it is written: a tenant may
+// take up to its deficit (guarantee - claimed) of the free bytes not wanted
+// by waiters ahead of it within their guarantees, and, while nobody below
+// its guarantee waits, grow past it into the free bytes no earlier waiter
+// wants and the others do not keep free (rule 5).
+int64_t share_room(int64_t free_bytes, int64_t deficit, int64_t protect_within, int64_t protect_borrow,
+                   int64_t keep_free, bool starving) {
+    const int64_t within = std::clamp<int64_t>(free_bytes - protect_within, 0, deficit);
+    const int64_t room = starving ? within : std::max(within, free_bytes - protect_borrow - keep_free);
+    return std::max<int64_t>(0, room);
+}
+
 Share judge_share(const LedgerSnapshot& s, int slot) {
     Share out;
     const TenantRow* me = s.find(slot);
@@ -58,12 +70,7 @@ Share judge_share(const LedgerSnapshot& s, int slot) {
             protect_borrow += r.want;  // an earlier borrower: first come
         }
     }
-    const int64_t room_within = std::clamp<int64_t>(free_bytes - protect_within, 0, deficit);
-    // Borrowing (growing past the guarantee) only while nobody below its
-    // guarantee waits, only from memory no earlier waiter wants, and never
-    // from what the others keep free (rule 5).
-    out.room = out.starving ? room_within : std::max(room_within, free_bytes - protect_borrow - keep_free);
-    out.room = std::max<int64_t>(0, out.room);
+    out.room = share_room(free_bytes, deficit, protect_within, protect_borrow, keep_free, out.starving);
     out.free = std::max<int64_t>(0, free_bytes);
     out.keep_free = keep_free;
     return out;
@@ -207,23 +214,18 @@ int64_t Budget::room_pages(bool promised, int64_t releasing) const {
     // they leave once back (under a limit: lim - the claims that stay).
     if (lim >= 0) room = std::max<int64_t>(0, lim - (claimed_pages_ - releasing));
     if (ledger_) {
-        // Nobody waits anywhere: the rules reduce to the pool's free bytes,
-        // less what the others keep free for anything past the guarantee.
-        int64_t free_bytes = 0, keep_free = 0;
-        const int64_t pool_room = ledger_->quiet_free_bytes(slot_, &free_bytes, &keep_free)
-                                      ? [&] {
-                                            // As judge_share: the releasing pages still count
-                                            // as claimed here and are added back below.
-                                            const int64_t deficit =
-                                                std::max<int64_t>(0, guarantee_bytes_ - claimed_pages_ * pcb_);
-                                            const int64_t within = std::clamp<int64_t>(free_bytes, 0, deficit);
-                                            return std::max<int64_t>(
-                                                0, promised ? free_bytes : std::max(within, free_bytes - keep_free));
-                                        }()
-                                      : [&] {
-                                            const Share sh = judge_share(ledger_->snapshot(false), slot_);
-                                            return promised ? sh.free : sh.room;
-                                        }();
+        // Nobody waits anywhere (the quiet read, no snapshot): the same rule
+        // with no waiter to protect. As in judge_share, the releasing pages
+        // still count as claimed here and are added back below.
+        int64_t free_bytes = 0, keep_free = 0, pool_room = 0;
+        if (ledger_->quiet_free_bytes(slot_, &free_bytes, &keep_free)) {
+            const int64_t deficit = std::max<int64_t>(0, guarantee_bytes_ - claimed_pages_ * pcb_);
+            pool_room = promised ? std::max<int64_t>(0, free_bytes)
+                                 : share_room(free_bytes, deficit, 0, 0, keep_free, false);
+        } else {
+            const Share sh = judge_share(ledger_->snapshot(false), slot_);
+            pool_room = promised ? sh.free : sh.room;
+        }
         room = std::min(room, pool_room / pcb_ + releasing);
     }
     return room;
