@@ -248,6 +248,37 @@ def cuda_mem_info(device: int) -> tuple[int, int, int, str]:
 def page_ranges(page_bytes: int, block_bytes: int, num_blocks: int) -> tuple[object, object]:
     """Per-page block ranges [first, last) of a geometry (the one formula)."""
 
+class Ledger:
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    def snapshot(self) -> LedgerSnapshot:
+        """
+        Every live tenant in one pass (lock-free; never waits for another process).
+        """
+
+    def set_setting(self, tenant: str, guarantee: bool, bytes: int, revision: int) -> tuple[int, int, str]:
+        """
+        Set a tenant's limit (guarantee=False) or guarantee: (code, result: 0 applied 1 stale 2 conflict 3 same, message); revision < 0 = next.
+        """
+
+    def reap(self) -> int:
+        """Reap dead tenants of this PID namespace; returns how many."""
+
+    def inject_stop_mid_claim(self) -> None:
+        """
+        Test hook: the next claim of this process stops it (SIGSTOP) with its claim pending.
+        """
+
+def open_ledger(name: str, capacity: int, create: bool) -> tuple[int, str, object]:
+    """Open (or create) a pool ledger: (code, message, Ledger | None)."""
+
 class Failure:
     """A failed alloc or free: nothing changed."""
 
@@ -370,38 +401,7 @@ class Space:
 
     def close(self) -> None: ...
 
-class Ledger:
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def capacity(self) -> int: ...
-
-    @property
-    def generation(self) -> int: ...
-
-    def snapshot(self) -> LedgerSnapshot:
-        """
-        Every live tenant in one pass (lock-free; never waits for another process).
-        """
-
-    def set_setting(self, tenant: str, guarantee: bool, bytes: int, revision: int) -> tuple[int, int, str]:
-        """
-        Set a tenant's limit (guarantee=False) or guarantee: (code, result: 0 applied 1 stale 2 conflict 3 same, message); revision < 0 = next.
-        """
-
-    def reap(self) -> int:
-        """Reap dead tenants of this PID namespace; returns how many."""
-
-    def inject_stop_mid_claim(self) -> None:
-        """
-        Test hook: the next claim of this process stops it (SIGSTOP) with its claim pending.
-        """
-
-def open_ledger(name: str, capacity: int, create: bool) -> tuple[int, str, object]:
-    """Open (or create) a pool ledger: (code, message, Ledger | None)."""
-
-def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, idle_release_s: float, limit_bytes: int, guarantee_bytes: int, device: str, ledger: Ledger | None, tenant: str) -> tuple[int, str, object]:
+def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, idle_release_s: float, limit_bytes: int, guarantee_bytes: int, headroom_bytes: int, device: str, ledger: Ledger | None, tenant: str) -> tuple[int, str, object]:
     """
     Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None).
     """

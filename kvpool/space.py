@@ -168,7 +168,7 @@ class KVSpace:
         try:
             code, msg, space = _core.native.create_space(
                 geometry.num_regions, geometry.page_bytes, geometry.region_block_bytes, geometry.blocks,
-                null_block, lo, hi, reserve_thread, idle_release_s, limit, guarantee, device,
+                null_block, lo, hi, reserve_thread, idle_release_s, limit, guarantee, headroom, device,
                 self.pool._ledger if self.pool is not None else None, self.name,
             )
         except RuntimeError as e:
@@ -188,8 +188,6 @@ class KVSpace:
             _core.raise_status(code, f"cannot create KV space on {device}: {msg}", requested=1)
         self._space = cast(_core.native.Space, space)
         self._regions: list[torch.Tensor] | None = None
-        if headroom:
-            self.set_headroom(headroom)
 
     @staticmethod
     def _limit_arg(limit_bytes: int | None, what: str = "limit_bytes") -> int:

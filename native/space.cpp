@@ -49,15 +49,18 @@ std::unique_ptr<Space> Space::create(const SpaceConfig& cfg, std::unique_ptr<Bac
                                      std::shared_ptr<Ledger> ledger, int slot, Status* status) {
     if (cfg.page_bytes <= 0 || cfg.block_bytes <= 0 || cfg.num_blocks <= 0 || cfg.num_regions <= 0 ||
         cfg.block_bytes > cfg.page_bytes || cfg.reserve_min < 0 || cfg.reserve_max < cfg.reserve_min ||
-        !(cfg.idle_release_s >= 0 && cfg.idle_release_s <= 1e9)) {
+        !(cfg.idle_release_s >= 0 && cfg.idle_release_s <= 1e9) || cfg.headroom_bytes < 0 ||
+        (cfg.headroom_bytes > 0 && !ledger)) {
         *status = Status::make(Code::Invalid,
                                "invalid space configuration: page_bytes=" + std::to_string(cfg.page_bytes) +
                                    " block_bytes=" + std::to_string(cfg.block_bytes) + " num_blocks=" +
                                    std::to_string(cfg.num_blocks) + " num_regions=" + std::to_string(cfg.num_regions) +
                                    " reserve=(" + std::to_string(cfg.reserve_min) + ", " +
                                    std::to_string(cfg.reserve_max) + ") idle_release_s=" +
-                                   std::to_string(cfg.idle_release_s) + "; need all sizes > 0, "
-                                   "block_bytes <= page_bytes, 0 <= min <= max and 0 <= idle_release_s <= 1e9");
+                                   std::to_string(cfg.idle_release_s) + " headroom_bytes=" +
+                                   std::to_string(cfg.headroom_bytes) + "; need all sizes > 0, "
+                                   "block_bytes <= page_bytes, 0 <= min <= max, 0 <= idle_release_s <= 1e9 and "
+                                   "headroom_bytes >= 0 (> 0 only in a pool)");
         if (ledger) ledger->unregister_tenant(slot);  // no Space owns the slot: give it back here
         return nullptr;
     }
@@ -78,6 +81,11 @@ Status Space::init() {
     efd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (efd_ < 0) return Status::make(Code::Backend, errno_text("eventfd", errno));
 
+    if (cfg_.headroom_bytes > 0) {
+        std::lock_guard<std::mutex> lk(mu_);
+        Status h = budget_.set_headroom(cfg_.headroom_bytes);  // the budget read the pool at construction
+        if (!h.is_ok()) return h;
+    }
     if (cfg_.null_block) {
         // Block 0 is held from the start and never handed out; its page is
         // pinned (committed for the space's lifetime). The first alloc of a

@@ -35,6 +35,9 @@ struct SpaceConfig {
     // they stayed unused for a whole interval of this length (0: at once, as
     // they empty). Keeps a steady alloc/free loop free of page syscalls.
     double idle_release_s = 1.0;
+    // Bytes of the unused guarantee borrowers leave free (budget.hpp, rule 5);
+    // a pooled space only. Published in the ledger before the first alloc.
+    int64_t headroom_bytes = 0;
 };
 
 struct SpaceStats {

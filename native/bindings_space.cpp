@@ -1,0 +1,438 @@
+// The Space bindings: alloc and free, the hot path, first run non-blocking
+// with the GIL held (no page syscall, no wait: most calls) and only retry
+// with it released when the core says it would block. alloc returns the ids
+// (an int64 numpy array made through numpy's C API) or a Failure; free
+// returns what is available after it or a Failure. Every call that can wait
+// (on the space mutex or a syscall) releases the GIL.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+// numpy's C API table is defined in bindings.cpp (_import_array there).
+#define PY_ARRAY_UNIQUE_SYMBOL kvpool_ARRAY_API
+#define NO_IMPORT_ARRAY
+#include <numpy/arrayobject.h>
+
+#include "backend.hpp"
+#include "bindings.hpp"
+#include "budget.hpp"
+#include "geometry.hpp"
+#include "ledger.hpp"
+#include "space.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using kvpool::Code;
+using kvpool::Ledger;
+using kvpool::Space;
+using kvpool::Status;
+using kvpool::bind::IdArray;
+using kvpool::bind::new_id_array;
+
+namespace {
+
+using IdInput = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// A failed alloc or free, as Python sees it (kvpool/_core.raise_failure).
+struct Failure {
+    int code = 0;
+    std::string message;
+    int64_t available = 0;   // blocks available after the failed call
+    int64_t max_blocks = 0;  // an Unsatisfiable alloc: the most this tenant can ever hold
+    std::vector<int64_t> bad_ids;  // a refused free: the offending ids
+};
+
+// A fresh int64 array of n elements (numpy's C API: no Python-level call).
+nb::object new_int64_array(int64_t n, int64_t** data) {
+    npy_intp dim = static_cast<npy_intp>(n);
+    PyObject* a = PyArray_SimpleNew(1, &dim, NPY_INT64);
+    if (a == nullptr) throw nb::python_error();
+    *data = static_cast<int64_t*>(PyArray_DATA(reinterpret_cast<PyArrayObject*>(a)));
+    return nb::steal(a);
+}
+
+// The ids of a free: a 1-D, C-contiguous, aligned, native-order int64 numpy
+// array, read in place, or a list of Python ints (the vLLM plugin's ids),
+// copied into `scratch`. Anything else (an int beyond int64 included) is a
+// TypeError the Python layer answers by converting
+// (kvpool._validate.block_ids) and calling again.
+const int64_t* id_buffer(nb::handle ids, int64_t* n, std::vector<int64_t>& scratch) {
+    PyObject* o = ids.ptr();
+    if (PyList_CheckExact(o)) {
+        const Py_ssize_t len = PyList_GET_SIZE(o);
+        scratch.resize(static_cast<size_t>(len));
+        for (Py_ssize_t i = 0; i < len; ++i) {
+            PyObject* item = PyList_GET_ITEM(o, i);
+            int overflow = 0;
+            const long long v = PyLong_Check(item) && !PyBool_Check(item) ? PyLong_AsLongLongAndOverflow(item, &overflow)
+                                                                         : (overflow = 1, 0);
+            if (overflow != 0) throw nb::type_error("free: ids must be Python ints within int64");
+            scratch[static_cast<size_t>(i)] = static_cast<int64_t>(v);
+        }
+        *n = static_cast<int64_t>(len);
+        return scratch.data();
+    }
+    if (PyArray_Check(o)) {
+        auto* a = reinterpret_cast<PyArrayObject*>(o);
+        const int t = PyArray_TYPE(a);
+        if (PyArray_NDIM(a) == 1 && (t == NPY_LONG || t == NPY_LONGLONG) && PyArray_ITEMSIZE(a) == 8 &&
+            PyArray_ISCARRAY_RO(a)) {
+            *n = static_cast<int64_t>(PyArray_DIM(a, 0));
+            return static_cast<const int64_t*>(PyArray_DATA(a));
+        }
+    }
+    throw nb::type_error("free: ids must be a 1-D C-contiguous int64 numpy array or a list of ints");
+}
+
+// A refused alloc as Python sees it (an Unsatisfiable one names the most
+// this tenant can ever hold).
+nb::object failed_alloc(Space& s, Status st, int64_t available) {
+    Failure f{static_cast<int>(st.code), std::move(st.message), available, 0, {}};
+    if (st.code == Code::Unsatisfiable) {
+        nb::gil_scoped_release nogil;
+        f.max_blocks = s.max_blocks();
+    }
+    return nb::cast(std::move(f));
+}
+
+// The ids of `items` (a list), each read as the int attribute `attr` (the
+// vLLM plugin's block objects and their block_id), into `scratch`.
+const int64_t* attr_ids(nb::handle items, nb::handle attr, int64_t* n, std::vector<int64_t>& scratch) {
+    PyObject* list = items.ptr();
+    if (!PyList_CheckExact(list)) throw nb::type_error("free_items: items must be a list");
+    if (!PyUnicode_CheckExact(attr.ptr())) throw nb::type_error("free_items: attr must be a str");
+    const Py_ssize_t len = PyList_GET_SIZE(list);
+    scratch.resize(static_cast<size_t>(len));
+    for (Py_ssize_t i = 0; i < len; ++i) {
+        PyObject* v = PyObject_GetAttr(PyList_GET_ITEM(list, i), attr.ptr());
+        if (v == nullptr) throw nb::python_error();
+        int overflow = 0;
+        const long long id = PyLong_Check(v) ? PyLong_AsLongLongAndOverflow(v, &overflow) : (overflow = 1, 0);
+        Py_DECREF(v);
+        if (overflow != 0) throw nb::type_error("free_items: each item's id must be an int within int64");
+        scratch[static_cast<size_t>(i)] = static_cast<int64_t>(id);
+    }
+    *n = static_cast<int64_t>(len);
+    return scratch.data();
+}
+
+// Space::free as the binding runs it (ids already read): non-blocking with
+// the GIL held, then (if the core would block) again without it.
+nb::object free_ids(Space& s, const int64_t* data, int64_t n) {
+    std::vector<int64_t> bad;
+    int64_t available = 0;
+    bool release_due = false;
+    Status st = s.free(data, n, &bad, nullptr, &available, /*nonblocking=*/true, &release_due);
+    if (release_due) {  // no reserve thread: the page syscalls, without the GIL
+        nb::gil_scoped_release nogil;
+        s.release_inline();
+        available = s.available();
+    } else if (st.code == Code::WouldBlock) {
+        // The caller's ids stay referenced for the call; the core applies
+        // its own validated copy of them.
+        nb::gil_scoped_release nogil;
+        st = s.free(data, n, &bad, nullptr, &available);
+    }
+    if (st.is_ok()) return nb::int_(available);
+    return nb::cast(Failure{static_cast<int>(st.code), std::move(st.message), available, 0, std::move(bad)});
+}
+
+// Space::alloc as every alloc binding runs it: non-blocking with the GIL
+// held, then (if the core would block) again without it.
+Status run_alloc(Space& s, int64_t n, int64_t* out, bool promised, int64_t* available) {
+    Status st = s.alloc(n, out, available, nullptr, /*nonblocking=*/true, promised);
+    if (st.code == Code::WouldBlock) {
+        nb::gil_scoped_release nogil;
+        st = s.alloc(n, out, available, nullptr, /*nonblocking=*/false, promised);
+    }
+    return st;
+}
+
+// Space::alloc as the binding runs it: non-blocking with the GIL held, then
+// (if the core would block) again without it.
+nb::object alloc_ids(Space& s, int64_t n, bool promised) {
+    int64_t* data = nullptr;
+    // No buffer for requests beyond capacity: the core answers those before
+    // touching it.
+    nb::object ids = new_int64_array(n > 0 && n <= s.capacity() ? n : 0, &data);
+    int64_t available = 0;
+    Status st = run_alloc(s, n, data, promised, &available);
+    if (st.is_ok()) return ids;
+    return failed_alloc(s, std::move(st), available);
+}
+
+// alloc_items: n ids allocated as alloc_ids does, answered as `items[id]` for
+// each (a list): the vLLM plugin passes its block objects and gets them back
+// without building ids on either side.
+nb::object alloc_items(Space& s, int64_t n, nb::handle items, bool promised) {
+    PyObject* table = items.ptr();
+    if (!PyList_CheckExact(table)) throw nb::type_error("alloc_items: items must be a list");
+    if (PyList_GET_SIZE(table) < s.config().num_blocks)
+        throw nb::value_error("alloc_items: items must have an entry for every block of the space");
+    thread_local std::vector<int64_t> ids;
+    ids.resize(static_cast<size_t>(n > 0 && n <= s.capacity() ? n : 0));
+    int64_t available = 0;
+    Status st = run_alloc(s, n, ids.data(), promised, &available);
+    if (!st.is_ok()) return failed_alloc(s, std::move(st), available);
+    PyObject* out = PyList_New(static_cast<Py_ssize_t>(n));
+    if (out == nullptr) {  // no memory for the answer: give the blocks back
+        nb::gil_scoped_release nogil;
+        std::vector<int64_t> bad;
+        s.free(ids.data(), n, &bad);
+        throw nb::python_error();
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        PyObject* item = PyList_GET_ITEM(table, static_cast<Py_ssize_t>(ids[static_cast<size_t>(i)]));
+        Py_INCREF(item);
+        PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), item);
+    }
+    return nb::steal(out);
+}
+
+}  // namespace
+
+void kvpool::bind::bind_space(nb::module_& m) {
+    nb::class_<Failure>(m, "Failure", "A failed alloc or free: nothing changed.")
+        .def_ro("code", &Failure::code)
+        .def_ro("message", &Failure::message)
+        .def_ro("available", &Failure::available)
+        .def_ro("max_blocks", &Failure::max_blocks)
+        .def_ro("bad_ids", &Failure::bad_ids);
+
+    nb::class_<Space>(m, "Space")
+        .def("alloc", [](Space& s, int64_t n) { return alloc_ids(s, n, false); }, "n"_a,
+             nb::sig("def alloc(self, n: int) -> numpy.typing.NDArray[numpy.int64] | Failure"),
+             "All-or-nothing: n block ids (int64 array), or a Failure (nothing changed).")
+        .def("alloc_items", &alloc_items, "n"_a, "items"_a, "promised"_a = false,
+             nb::sig("def alloc_items(self, n: int, items: list[typing.Any], promised: bool = False) -> list[typing.Any] | Failure"),
+             "alloc (alloc_promised if promised) answered as [items[id] for each id]; items: a list with an "
+             "entry per block.")
+        .def(
+            "free_items",
+            [](Space& s, nb::handle items, nb::handle attr) -> nb::object {
+                int64_t n = 0;
+                thread_local std::vector<int64_t> scratch;
+                const int64_t* data = attr_ids(items, attr, &n, scratch);
+                return free_ids(s, data, n);
+            },
+            "items"_a, "attr"_a,
+            nb::sig("def free_items(self, items: list[typing.Any], attr: str) -> int | Failure"),
+            "free of [getattr(item, attr) for item in items] (the ids read natively); as free.")
+        .def("alloc_promised", [](Space& s, int64_t n) { return alloc_ids(s, n, true); }, "n"_a,
+             nb::sig("def alloc_promised(self, n: int) -> numpy.typing.NDArray[numpy.int64] | Failure"),
+             "alloc granted as an earlier available() said, even if this tenant lends now (its limit and the\n"
+             "pool's free bytes still apply).")
+        .def(
+            "free",
+            [](Space& s, nb::handle ids) -> nb::object {
+                int64_t n = 0;
+                thread_local std::vector<int64_t> scratch;
+                const int64_t* data = id_buffer(ids, &n, scratch);
+                return free_ids(s, data, n);
+            },
+            "ids"_a, nb::sig("def free(self, ids: numpy.typing.NDArray[numpy.int64] | list[int]) -> int | Failure"),
+            "Validates the whole batch first: blocks available after it, or a Failure naming the bad ids "
+            "(nothing freed). TypeError unless ids is a 1-D C-contiguous int64 numpy array or a list of ints.")
+        .def(
+            "available",
+            [](Space& s) {
+                int64_t a = 0;
+                if (s.try_available(&a)) return a;  // the common case: the GIL held, no wait
+                nb::gil_scoped_release nogil;
+                return s.available();
+            },
+            "Blocks a following alloc can deliver (waits for the space's mutex only without the GIL).")
+        .def(
+            "trim",
+            [](Space& s) {
+                int64_t released = 0;
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.trim(&released);
+                }
+                return std::make_tuple(static_cast<int>(st.code), released, st.message);
+            },
+            "Release every idle committed page: (code, released, message).")
+        .def(
+            "set_limit",
+            [](Space& s, int64_t bytes, int64_t revision) {
+                kvpool::LimitResult r = kvpool::LimitResult::Applied;
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.set_limit(bytes, revision, &r);
+                }
+                return std::make_tuple(static_cast<int>(st.code), static_cast<int>(r), st.message);
+            },
+            "limit_bytes"_a, "revision"_a,
+            "Set and apply this tenant's one limit (-1: none); in a pool under `revision` (-1: next): "
+            "(code, result: 0 applied 1 stale 2 conflict 3 same, message).")
+        .def(
+            "set_reserve",
+            [](Space& s, int64_t lo, int64_t hi) {
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.set_reserve(lo, hi);
+                }
+                return std::make_tuple(static_cast<int>(st.code), st.message);
+            },
+            "min_pages"_a, "max_pages"_a)
+        .def(
+            "page_occupancy",
+            [](Space& s, IdInput pages) {
+                const size_t n = pages.shape(0);
+                int64_t *used, *state;
+                IdArray u = new_id_array(n, &used);
+                IdArray t = new_id_array(n, &state);
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.page_occupancy(pages.data(), static_cast<int64_t>(n), used, state);
+                }
+                return std::make_tuple(static_cast<int>(st.code), nb::object(nb::cast(u)), nb::object(nb::cast(t)),
+                                       st.message);
+            },
+            "pages"_a, "(code, used blocks, page states, message).")
+        .def("stats", &Space::stats, nb::call_guard<nb::gil_scoped_release>())
+        .def("budget", &Space::budget, nb::call_guard<nb::gil_scoped_release>(),
+             "The tenant's budget figures (refreshed from the pool).")
+        .def("max_blocks", &Space::max_blocks, nb::call_guard<nb::gil_scoped_release>(),
+             "The most blocks this tenant can ever hold (admission bound).")
+        .def(
+            "set_guarantee",
+            [](Space& s, int64_t bytes, int64_t revision) {
+                kvpool::LimitResult r = kvpool::LimitResult::Applied;
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.set_guarantee(bytes, revision, &r);
+                }
+                return std::make_tuple(static_cast<int>(st.code), static_cast<int>(r), st.message);
+            },
+            "guarantee_bytes"_a, "revision"_a,
+            "Set this tenant's guarantee (-1: the default share) under `revision` (-1: next): "
+            "(code, result: 0 applied 1 stale 2 conflict 3 same, message).")
+        .def(
+            "set_headroom",
+            [](Space& s, int64_t bytes) {
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.set_headroom(bytes);
+                }
+                return std::make_tuple(static_cast<int>(st.code), st.message);
+            },
+            "headroom_bytes"_a,
+            "Bytes of this tenant's unused guarantee borrowers must leave free: (code, message).")
+        .def_prop_ro("inherited", &Space::inherited, "Inherited across fork(): inert in this process.")
+        .def("settle", &Space::settle, "timeout_s"_a, nb::call_guard<nb::gil_scoped_release>(),
+             "Wait until the reserve thread is idle; False on timeout.")
+        .def(
+            "inject_fault",
+            [](Space& s, int kind, int64_t nth, int err) {
+                s.inject_fault(static_cast<kvpool::FaultKind>(kind), nth, err);
+            },
+            "kind"_a, "nth"_a, "errno"_a, nb::call_guard<nb::gil_scoped_release>(),
+            "Test-only: fail the nth next commit (0) or release (1).")
+        .def("allocated_bytes", &Space::allocated_bytes, nb::call_guard<nb::gil_scoped_release>(),
+             "Bytes the backend really holds (memfd st_blocks on CPU).")
+        .def(
+            "region",
+            [](Space& s, int64_t r) {
+                const auto& cfg = s.config();
+                if (r < 0 || r >= cfg.num_regions) throw nb::index_error("region out of range");
+                const size_t n = static_cast<size_t>(s.num_pages() * cfg.page_bytes);
+                // reference_internal: the array keeps the Space object alive.
+                return nb::ndarray<uint8_t, nb::ndim<1>>(s.region_base(r), {n}, nb::handle(), {},
+                                                         nb::dtype<uint8_t>(), s.device_type(), s.device_id());
+            },
+            "region"_a, nb::rv_policy::reference_internal, "Region memory as a DLPack-capable byte array.")
+        .def(
+            "memory",
+            [](Space& s) {
+                // Regions are laid out back to back (both backends): one array
+                // over all of them, for engines that address one flat buffer.
+                const auto& cfg = s.config();
+                const size_t n = static_cast<size_t>(cfg.num_regions * s.num_pages() * cfg.page_bytes);
+                return nb::ndarray<uint8_t, nb::ndim<1>>(s.region_base(0), {n}, nb::handle(), {},
+                                                         nb::dtype<uint8_t>(), s.device_type(), s.device_id());
+            },
+            nb::rv_policy::reference_internal, "All regions, back to back, as one DLPack-capable byte array.")
+        .def_prop_ro("share_fd", &Space::share_fd, "The memfd another process can map (-1: none).")
+        .def("report_waiting", &Space::report_waiting, "waiting"_a, nb::call_guard<nb::gil_scoped_release>())
+        .def_prop_ro("eventfd", &Space::eventfd)
+        .def_prop_ro("last_alloc_commits", &Space::last_alloc_commits,
+                     "Pages the last alloc committed inline (for debug traces).")
+        .def_prop_ro("last_free_releases", &Space::last_free_releases,
+                     "Pages the last free released inline (for debug traces).")
+        .def_prop_ro("closed", &Space::closed)
+        .def("close", &Space::close, nb::call_guard<nb::gil_scoped_release>());
+
+
+    m.def(
+        "create_space",
+        [](int64_t num_regions, int64_t page_bytes, int64_t block_bytes, int64_t num_blocks, bool null_block,
+           int64_t reserve_min, int64_t reserve_max, bool reserve_thread, double idle_release_s, int64_t limit_bytes,
+           int64_t guarantee_bytes, int64_t headroom_bytes, const std::string& device,
+           std::shared_ptr<Ledger> ledger, const std::string& tenant) {
+            Status st;
+            std::unique_ptr<Space> space;
+            {
+                nb::gil_scoped_release nogil;
+                kvpool::SpaceConfig cfg;
+                cfg.num_regions = num_regions;
+                cfg.page_bytes = page_bytes;
+                cfg.block_bytes = block_bytes;
+                cfg.num_blocks = num_blocks;
+                cfg.null_block = null_block;
+                cfg.reserve_min = reserve_min;
+                cfg.reserve_max = reserve_max;
+                cfg.reserve_thread = reserve_thread;
+                cfg.idle_release_s = idle_release_s;
+                cfg.headroom_bytes = headroom_bytes;
+                // One limit per tenant: in a pool it lives in the ledger
+                // (revision 0), where `kvpool top` shows it; without one, in
+                // the private budget.
+                cfg.limit_bytes = ledger ? -1 : limit_bytes;
+                kvpool::BackendConfig bc{num_regions, kvpool::num_pages_for(page_bytes, block_bytes, num_blocks) * page_bytes,
+                                         page_bytes};
+                std::unique_ptr<kvpool::Backend> backend;
+                if (device == "cpu") {
+                    backend = kvpool::make_cpu_backend(bc, &st);
+                } else if (device.rfind("cuda:", 0) == 0) {
+                    backend = kvpool::make_cuda_backend(bc, std::atoi(device.c_str() + 5), &st);
+                } else {
+                    st = Status::make(Code::Invalid, "unknown device '" + device + "'");
+                }
+                int slot = -1;
+                if (backend && ledger) {
+                    st = ledger->register_tenant(tenant, limit_bytes, guarantee_bytes, &slot);
+                    // The pool refused the tenant (a name taken, no slot):
+                    // a LedgerError; a guarantee that cannot fit stays
+                    // Invalid (a ValueError, as Pool.set_guarantee raises).
+                    if (!st.is_ok() && !(st.code == Code::Invalid && st.message.rfind("guarantee_bytes=", 0) == 0))
+                        st.code = Code::Ledger;
+                }
+                // Space::create owns the slot from here: on failure it has
+                // unregistered it already. Never unregister it again here:
+                // with the GIL released another thread may hold it by now.
+                if (backend && st.is_ok()) space = Space::create(cfg, std::move(backend), ledger, slot, &st);
+            }
+            nb::object obj = space ? nb::cast(std::move(space)) : nb::none();
+            return std::make_tuple(static_cast<int>(st.code), st.message, obj);
+        },
+        "num_regions"_a, "page_bytes"_a, "block_bytes"_a, "num_blocks"_a, "null_block"_a, "reserve_min"_a,
+        "reserve_max"_a, "reserve_thread"_a, "idle_release_s"_a, "limit_bytes"_a, "guarantee_bytes"_a,
+        "headroom_bytes"_a, "device"_a, "ledger"_a.none(), "tenant"_a,
+        "Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None).");
+}
