@@ -205,7 +205,11 @@ class VirtualEngine(Scheduler):
 
 async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Request],
                            live: Any) -> dict[str, Any]:
-    """One mode of the demo on the virtual clock; the same summary as a real run."""
+    """One mode of the demo on the virtual clock; the same summary as a real run.
+
+    ``mode``: ``elastic``, ``static``, or ``alone`` (a reference: each engine
+    with a pool of the whole capacity to itself).
+    """
     loop = asyncio.get_running_loop()
     assert isinstance(loop, VirtualClockLoop), "run it with kvpool._demo_clock.run_virtual"
     pool_blocks: int = args.pool_blocks
@@ -215,7 +219,12 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
     to_real = COMMIT_BYTES_PER_BLOCK // VIRTUAL_BLOCK_BYTES  # bytes figures in the real engines' geometry
     pool_bytes = pool_blocks * VIRTUAL_BLOCK_BYTES
     pool_name = f"demo-virtual-{mode}-{uuid.uuid4().hex[:6]}"
-    Pool(pool_name, capacity=pool_bytes)
+    # "alone" (a reference, not a mode of the demo): every engine has a pool
+    # of the whole capacity to itself, the most memory any sharing policy
+    # could ever give it (scripts/demo_virtual_sweep.py --reference).
+    pool_names = [f"{pool_name}-{e}" for e in range(args.engines)] if mode == "alone" else [pool_name]
+    for name in pool_names:
+        Pool(name, capacity=pool_bytes)
     steps = StepModel()
     shared = asyncio.Lock()
     engines: list[VirtualEngine] = []
@@ -226,8 +235,8 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
             # The static limit at construction: set_limit waits in a thread,
             # which a virtual clock would jump past.
             limit = pool_bytes // args.engines if mode == "static" else None
-            m = KVCacheManager(geometry, pool=pool_name, name=f"engine-{e}", reserve=(0, 0),
-                               reserve_thread=False, limit_bytes=limit,
+            m = KVCacheManager(geometry, pool=pool_names[min(e, len(pool_names) - 1)], name=f"engine-{e}",
+                               reserve=(0, 0), reserve_thread=False, limit_bytes=limit,
                                headroom_bytes=headroom_bytes(geometry, args.prompt_scale))
             engines.append(VirtualEngine(e, m, steps, shared if args.compute == "shared" else asyncio.Lock()))
         for eng in engines:  # the next engines first, so no engine is always polled last
@@ -277,7 +286,8 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
         for eng in engines:
             loop.unmute(eng.m.space.wakeup_fd)
             await eng.m.aclose()
-        Pool.remove(pool_name)
+        for name in pool_names:
+            Pool.remove(name)
 
 
 def poll_waiting(engines: list[VirtualEngine]) -> bool:

@@ -6,7 +6,13 @@ ratio and the waiting ratio (elastic / static) over the seeds, and the seeds
 that miss the acceptance bar (every engine's p99 <= static, waiting <= 0.5x).
 The figures are exact: rerunning gives the same table on any machine.
 
-    python scripts/demo_virtual_sweep.py [--seeds 20] [--json out.jsonl] [demo options...]
+``--reference`` also runs every engine *alone*: each with a pool of the
+whole capacity to itself, the most memory any sharing policy could give it,
+and prints that reference's waiting ratio to static beside elastic's. Where
+even the reference waits more than half as long as static, no policy of the
+pool can meet the waiting bar for that shape: the queue is for compute.
+
+    python scripts/demo_virtual_sweep.py [--seeds 20] [--reference] [--json out.jsonl] [demo options...]
 """
 
 from __future__ import annotations
@@ -16,27 +22,40 @@ import json
 import statistics
 
 from kvpool._demo_clock import run_virtual
-from kvpool._demo_traces import SHAPES
-from kvpool._demo_virtual import compare
+from kvpool._demo_traces import SHAPES, make_trace
+from kvpool._demo_virtual import compare, run_mode_virtual
 from kvpool.demo import options
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b; 0 when nobody waited in either (the bar is met: 0 <= 0.5 x 0)."""
+    return a / b if b else (0.0 if not a else float("inf"))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--json", help="also write one JSON line per run here")
+    ap.add_argument("--reference", action="store_true",
+                    help="also run every engine alone with the whole pool (the best any policy could give it)")
     args, demo_argv = ap.parse_known_args()
     sink = open(args.json, "w") if args.json else None
     for shape in SHAPES:
         rows = []
         for seed in range(args.seeds):
-            res = run_virtual(compare(options(["--clock", "virtual", "--trace", shape, "--seed", str(seed),
-                                               *demo_argv])))
+            opts = options(["--clock", "virtual", "--trace", shape, "--seed", str(seed), *demo_argv])
+            res = run_virtual(compare(opts))
             el, st = res["elastic"], res["static"]
             row = {"shape": shape, "seed": seed,
                    "ttft_p99": [a["ttft_p99_s"] / b["ttft_p99_s"] for a, b in zip(el["engines"], st["engines"])],
-                   "wait": el["wait_s"] / st["wait_s"] if st["wait_s"] else float("inf"),
+                   "wait": _ratio(el["wait_s"], st["wait_s"]),
                    "tokens_per_s": el["tokens_per_s"] / st["tokens_per_s"]}
+            if args.reference:
+                trace = make_trace(opts.engines, opts.duration, opts.burst, opts.seed, opts.trace, opts.prompt_scale)
+                alone = run_virtual(run_mode_virtual("alone", opts, trace, None))
+                row["alone_wait"] = _ratio(alone["wait_s"], st["wait_s"])
+                row["alone_ttft_p99"] = [a["ttft_p99_s"] / b["ttft_p99_s"]
+                                         for a, b in zip(alone["engines"], st["engines"])]
             rows.append(row)
             if sink is not None:
                 print(json.dumps(row), file=sink, flush=True)
@@ -47,6 +66,11 @@ def main() -> None:
               f"max {max(worst):.2f}; waiting ratio min {min(wait):.2f} median {statistics.median(wait):.2f} "
               f"max {max(wait):.2f}; throughput median {statistics.median(r['tokens_per_s'] for r in rows):.2f}; "
               f"seeds missing the bar: {miss if miss else 'none'}")
+        if args.reference:
+            alone = [r["alone_wait"] for r in rows]
+            print(f"{'':9}  alone (each engine with the whole pool): waiting ratio min {min(alone):.2f} "
+                  f"median {statistics.median(alone):.2f} max {max(alone):.2f}; seeds where even it waits more "
+                  f"than 0.5x static: {[r['seed'] for r in rows if r['alone_wait'] > 0.5] or 'none'}")
     if sink is not None:
         sink.close()
 
