@@ -59,12 +59,12 @@ from ._demo_model import (BLOCK_BYTES, HEAD_DIM, HEADS, LAYERS, ContiguousKV, Pa
                           greedy)
 from ._demo_sched import Scheduler
 from ._demo_traces import BLOCK_TOKENS, SHAPES, Request, make_trace, max_request_blocks
-
-DEFAULT_BURST = 10  # requests per burst: compute keeps up (module docstring)
-COMPUTE_BOUND_BURST = 24  # the former default: compute-bound here, whatever the memory policy
 from .geometry import Geometry
 from .manager import KVCacheManager
 from .pool import Pool
+
+DEFAULT_BURST = 10  # requests per burst: compute keeps up (module docstring)
+COMPUTE_BOUND_BURST = 24  # the former default: compute-bound here, whatever the memory policy
 
 PAGE_BYTES = 64 * 1024
 COMMIT_BYTES_PER_BLOCK = BLOCK_BYTES * LAYERS * 2  # what one block costs the pool (every region)

@@ -14,7 +14,7 @@ from kvpool._demo_clock import run_virtual
 from kvpool._demo_model import BLOCK_BYTES, LAYERS, ContiguousKV, TinyDecoder, greedy
 from kvpool._demo_traces import Request
 from kvpool._demo_virtual import compare
-from kvpool.demo import PAGE_BYTES, Engine, options
+from kvpool.demo import COMPUTE_BOUND_BURST, PAGE_BYTES, Engine, options
 
 
 def _request(rid: str, engine: int, arrival: float, prompt: int, new: int) -> Request:
@@ -73,7 +73,8 @@ def test_a_lending_engine_preempts_its_newest_request_and_recomputes_it_to_the_s
 def _virtual(*argv: str) -> dict[str, dict[str, Any]]:
     # At 24 requests a burst (the demo's former default): the load at which
     # engines lend and preempt, which these tests are about.
-    return run_virtual(compare(options(["--clock", "virtual", "--compute", "per-engine", "--burst", "24", *argv])))
+    return run_virtual(compare(options(["--clock", "virtual", "--compute", "per-engine",
+                                        "--burst", str(COMPUTE_BOUND_BURST), *argv])))
 
 
 @pytest.mark.parametrize("shape", ["bursty"])
