@@ -222,8 +222,8 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
     # "alone" (a reference, not a mode of the demo): every engine has a pool
     # of the whole capacity to itself, the most memory any sharing policy
     # could ever give it (scripts/demo_virtual_sweep.py --reference).
-    pool_names = [f"{pool_name}-{e}" for e in range(args.engines)] if mode == "alone" else [pool_name]
-    for name in pool_names:
+    pool_names = [f"{pool_name}-{e}" for e in range(args.engines)] if mode == "alone" else [pool_name] * args.engines
+    for name in dict.fromkeys(pool_names):
         Pool(name, capacity=pool_bytes)
     steps = StepModel()
     shared = asyncio.Lock()
@@ -235,7 +235,7 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
             # The static limit at construction: set_limit waits in a thread,
             # which a virtual clock would jump past.
             limit = pool_bytes // args.engines if mode == "static" else None
-            m = KVCacheManager(geometry, pool=pool_names[min(e, len(pool_names) - 1)], name=f"engine-{e}",
+            m = KVCacheManager(geometry, pool=pool_names[e], name=f"engine-{e}",
                                reserve=(0, 0), reserve_thread=False, limit_bytes=limit,
                                headroom_bytes=headroom_bytes(geometry, args.prompt_scale))
             engines.append(VirtualEngine(e, m, steps, shared if args.compute == "shared" else asyncio.Lock()))
@@ -286,7 +286,7 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
         for eng in engines:
             loop.unmute(eng.m.space.wakeup_fd)
             await eng.m.aclose()
-        for name in pool_names:
+        for name in dict.fromkeys(pool_names):
             Pool.remove(name)
 
 
@@ -301,13 +301,15 @@ def poll_waiting(engines: list[VirtualEngine]) -> bool:
     return acted
 
 
-async def compare(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Both modes of ``args`` (see :func:`kvpool.demo.options`) on the virtual clock, no output.
+async def compare(args: argparse.Namespace,
+                  modes: tuple[str, ...] = ("elastic", "static")) -> dict[str, dict[str, Any]]:
+    """``modes`` of ``args`` (see :func:`kvpool.demo.options`) on the virtual clock, one trace, no output;
+    ``alone`` is the reference of :func:`run_mode_virtual`.
 
     Run it with :func:`kvpool._demo_clock.run_virtual`.
     """
     trace = make_trace(args.engines, args.duration, args.burst, args.seed, args.trace, args.prompt_scale)
-    return {mode: await run_mode_virtual(mode, args, trace, None) for mode in ("elastic", "static")}
+    return {mode: await run_mode_virtual(mode, args, trace, None) for mode in modes}
 
 
 def step_model() -> dict[str, float]:

@@ -22,8 +22,8 @@ import json
 import statistics
 
 from kvpool._demo_clock import run_virtual
-from kvpool._demo_traces import SHAPES, make_trace
-from kvpool._demo_virtual import compare, run_mode_virtual
+from kvpool._demo_traces import SHAPES
+from kvpool._demo_virtual import compare
 from kvpool.demo import options
 
 
@@ -40,19 +40,19 @@ def main() -> None:
                     help="also run every engine alone with the whole pool (the best any policy could give it)")
     args, demo_argv = ap.parse_known_args()
     sink = open(args.json, "w") if args.json else None
+    modes = ("elastic", "static", "alone") if args.reference else ("elastic", "static")
     for shape in SHAPES:
         rows = []
         for seed in range(args.seeds):
             opts = options(["--clock", "virtual", "--trace", shape, "--seed", str(seed), *demo_argv])
-            res = run_virtual(compare(opts))
+            res = run_virtual(compare(opts, modes))
             el, st = res["elastic"], res["static"]
             row = {"shape": shape, "seed": seed,
                    "ttft_p99": [a["ttft_p99_s"] / b["ttft_p99_s"] for a, b in zip(el["engines"], st["engines"])],
                    "wait": _ratio(el["wait_s"], st["wait_s"]),
                    "tokens_per_s": el["tokens_per_s"] / st["tokens_per_s"]}
             if args.reference:
-                trace = make_trace(opts.engines, opts.duration, opts.burst, opts.seed, opts.trace, opts.prompt_scale)
-                alone = run_virtual(run_mode_virtual("alone", opts, trace, None))
+                alone = res["alone"]
                 row["alone_wait"] = _ratio(alone["wait_s"], st["wait_s"])
                 row["alone_ttft_p99"] = [a["ttft_p99_s"] / b["ttft_p99_s"]
                                          for a, b in zip(alone["engines"], st["engines"])]
