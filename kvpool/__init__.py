@@ -37,6 +37,8 @@ if typing.TYPE_CHECKING:  # the type checker sees plain imports; at run time the
     from ._space_stats import BudgetStats as BudgetStats
     from ._space_stats import PageInfo as PageInfo
     from ._space_stats import SpaceStats as SpaceStats
+    from .ranks import RankHandle as RankHandle
+    from .ranks import RankMemory as RankMemory
     from .space import KVSpace as KVSpace
     from .space import SharedMemory as SharedMemory
     from .space import cuda_unavailable_reason as cuda_unavailable_reason
@@ -59,6 +61,8 @@ _LAZY = {
     "list_pools": "pool",
     "BudgetStats": "_space_stats",
     "KVSpace": "space",
+    "RankHandle": "ranks",
+    "RankMemory": "ranks",
     "PageInfo": "_space_stats",
     "SharedMemory": "space",
     "SpaceStats": "_space_stats",
@@ -88,6 +92,8 @@ __all__ = [
     "Pool",
     "PoolClosed",
     "PoolExhausted",
+    "RankHandle",
+    "RankMemory",
     "RequestTooLarge",
     "SharedMemory",
     "SpaceStats",

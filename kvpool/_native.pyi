@@ -1,5 +1,6 @@
 """kvpool native core (private: use the kvpool package)"""
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import numpy
@@ -383,6 +384,10 @@ class Space:
     def share_fd(self) -> int:
         """The memfd another process can map (-1: none)."""
 
+    @property
+    def mirror_fd(self) -> int:
+        """A mirrored space's channel the ranks attach to (-1: none)."""
+
     def report_waiting(self, waiting: int) -> None: ...
 
     @property
@@ -401,7 +406,71 @@ class Space:
 
     def close(self) -> None: ...
 
-def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, idle_release_s: float, limit_bytes: int, guarantee_bytes: int, headroom_bytes: int, device: str, ledger: Ledger | None, tenant: str) -> tuple[int, str, object]:
+def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, idle_release_s: float, limit_bytes: int, guarantee_bytes: int, headroom_bytes: int, device: str, ledger: Ledger | None, tenant: str, rank_regions: Sequence[int] = [], rank_timeout_s: float = 5.0) -> tuple[int, str, object]:
     """
-    Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None).
+    Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None). With rank_regions, a mirrored space whose ranks' processes hold the memory (RankMemory).
+    """
+
+class RankStats:
+    """One rank of a mirrored space, as its own process sees it."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def first_region(self) -> int: ...
+
+    @property
+    def num_regions(self) -> int: ...
+
+    @property
+    def region_bytes(self) -> int: ...
+
+    @property
+    def page_bytes(self) -> int: ...
+
+    @property
+    def num_pages(self) -> int: ...
+
+    @property
+    def committed_pages(self) -> int: ...
+
+    @property
+    def allocated_bytes(self) -> int: ...
+
+    @property
+    def commits(self) -> int: ...
+
+    @property
+    def releases(self) -> int: ...
+
+    @property
+    def failures(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def last_error(self) -> str: ...
+
+class RankMemory:
+    def memory(self) -> Annotated[NDArray[numpy.uint8], dict(shape=(None,))]:
+        """This rank's regions, back to back, as a DLPack-capable byte array."""
+
+    def stats(self) -> RankStats: ...
+
+    def sync(self, timeout_s: float) -> bool:
+        """Wait until this rank matches the leader's map; False on timeout."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+def attach_rank(pid: int, fd: int, rank: int, device: str) -> tuple[int, str, object]:
+    """
+    Attach to a mirrored space's channel as `rank`: (code, message, RankMemory | None).
     """

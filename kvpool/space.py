@@ -24,6 +24,7 @@ from ._space_stats import BudgetStats, PageInfo, PageStateName, SpaceStats
 from .errors import BackendError, GeometryError, InvalidBlocks, PoolClosed
 from .geometry import Geometry
 from .pool import Pool
+from .ranks import RankHandle
 
 __all__ = ["BudgetStats", "KVSpace", "PageInfo", "SharedMemory", "SpaceStats", "cuda_unavailable_reason",
            "map_shared"]
@@ -124,6 +125,15 @@ class KVSpace:
             to what the engine's next step can ask for; borrowing from this
             tenant's idle guarantee stops that much short. See
             :meth:`set_headroom`.
+        ranks: a *mirrored* space (:mod:`kvpool.ranks`): the regions of each
+            rank of a tensor- or pipeline-parallel engine, in order (adding up
+            to ``geometry.num_regions``). This space then holds no memory
+            itself: each rank's process attaches a :class:`~kvpool.RankMemory`
+            (:meth:`rank_handle`) and maps its own pages, and a commit
+            returns once every attached rank mapped it.
+        rank_timeout_s: how long a commit or release of a mirrored space
+            waits for a rank; a rank that did not answer in time is *behind*
+            and makes every later commit a shortage until it answers.
     """
 
     def __init__(
@@ -140,6 +150,8 @@ class KVSpace:
         guarantee_bytes: int | None = None,
         idle_release_s: float = 1.0,
         headroom_bytes: int = 0,
+        ranks: Sequence[int] | None = None,
+        rank_timeout_s: float = 5.0,
     ) -> None:
         if not isinstance(geometry, Geometry):
             raise TypeError(f"geometry must be a kvpool.Geometry, got {type(geometry).__name__}")
@@ -154,6 +166,10 @@ class KVSpace:
             raise TypeError(f"pool must be a kvpool.Pool, a pool name or None, got {pool!r} ({type(pool).__name__})")
         if name is not None:
             V.text("name", name)
+        rank_regions = self._ranks_arg(ranks, geometry)
+        rank_timeout_s = V.seconds("rank_timeout_s", rank_timeout_s, allow_inf=False)
+        if not 0 < rank_timeout_s <= 3600:
+            raise ValueError(f"rank_timeout_s must be in (0, 3600] seconds, got {rank_timeout_s!r}")
         if device == "cpu":
             geometry.check_granularity(int(_core.native.cpu_granularity()), device)
         self.geometry = geometry
@@ -169,7 +185,8 @@ class KVSpace:
             code, msg, space = _core.native.create_space(
                 geometry.num_regions, geometry.page_bytes, geometry.region_block_bytes, geometry.blocks,
                 null_block, lo, hi, reserve_thread, idle_release_s, limit, guarantee, headroom, device,
-                self.pool._ledger if self.pool is not None else None, self.name,
+                self.pool._ledger if self.pool is not None else None, self.name, list(rank_regions),
+                rank_timeout_s,
             )
         except RuntimeError as e:
             # The core turns a refused thread into a BackendError status
@@ -188,6 +205,22 @@ class KVSpace:
             _core.raise_status(code, f"cannot create KV space on {device}: {msg}", requested=1)
         self._space = cast(_core.native.Space, space)
         self._regions: list[torch.Tensor] | None = None
+        self.ranks = rank_regions
+
+    @staticmethod
+    def _ranks_arg(ranks: Sequence[int] | None, geometry: Geometry) -> tuple[int, ...]:
+        """The checked regions of each rank of a mirrored space (() when not mirrored)."""
+        if ranks is None:
+            return ()
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+            raise TypeError(f"ranks must be a sequence of region counts, got {ranks!r}")
+        counts = tuple(V.integer(f"ranks[{i}]", r, lo=1) for i, r in enumerate(ranks))
+        if not 1 <= len(counts) <= 64:
+            raise ValueError(f"ranks must name 1 to 64 ranks, got {len(counts)}")
+        if sum(counts) != geometry.num_regions:
+            raise ValueError(f"ranks {list(counts)} add up to {sum(counts)} regions; the geometry has "
+                             f"{geometry.num_regions}")
+        return counts
 
     @staticmethod
     def _limit_arg(limit_bytes: int | None, what: str = "limit_bytes") -> int:
@@ -426,6 +459,7 @@ class KVSpace:
         """Region ``index`` as a flat ``uint8`` tensor (zero-copy, DLPack)."""
         index = V.integer("index", index, lo=-(2**63))
         self._check_open()
+        self._check_holds_memory()
         if self._regions is None:
             self._regions = [
                 torch.utils.dlpack.from_dlpack(self._space.region(r)) for r in range(self.geometry.num_regions)
@@ -441,11 +475,26 @@ class KVSpace:
         one flat KV buffer with their own strides (vLLM) use this.
         """
         self._check_open()
+        self._check_holds_memory()
         return torch.utils.dlpack.from_dlpack(self._space.memory())
+
+    def _check_holds_memory(self) -> None:
+        if self.ranks:
+            raise BackendError(f"this mirrored space holds no memory itself: each of its {len(self.ranks)} ranks "
+                               "maps its own (kvpool.RankMemory with rank_handle())")
+
+    def rank_handle(self) -> RankHandle:
+        """What each rank's process passes to :class:`~kvpool.RankMemory` (mirrored spaces)."""
+        self._check_open()
+        if not self.ranks:
+            raise ValueError("rank_handle() is for a mirrored space (KVSpace(..., ranks=[...]))")
+        return RankHandle(pid=os.getpid(), fd=int(self._space.mirror_fd), rank_regions=self.ranks,
+                          region_bytes=self.geometry.region_bytes)
 
     def shared_memory(self) -> SharedMemory:
         """A handle another process passes to :func:`map_shared` (CPU spaces)."""
         self._check_open()
+        self._check_holds_memory()
         fd = int(self._space.share_fd)
         if fd < 0:
             raise BackendError(f"a {self.device} space cannot be mapped by another process (only CPU spaces can)")

@@ -33,6 +33,9 @@ public:
     // A file descriptor another process may map to see the same memory
     // (the CPU memfd), or -1 when the backend has none.
     virtual int share_fd() const { return -1; }
+    // A mirrored space's channel (mirror.hpp), which each rank's process
+    // attaches to; -1 for a backend that holds its own memory.
+    virtual int mirror_fd() const { return -1; }
     // For a copy inherited across fork(): make this process's view of the
     // range inert without giving anything back (never punches holes, never
     // calls the driver: the memory is the parent's). After it, commit and

@@ -201,4 +201,5 @@ NB_MODULE(_native, m) {
 
 
     kvpool::bind::bind_space(m);
+    kvpool::bind::bind_mirror(m);
 }

@@ -22,5 +22,7 @@ inline IdArray new_id_array(size_t n, int64_t** data) {
 
 // Failure, Space and create_space (bindings_space.cpp); needs Ledger bound first.
 void bind_space(nanobind::module_& m);
+// RankStats, RankMemory and attach_rank (bindings_mirror.cpp).
+void bind_mirror(nanobind::module_& m);
 
 }  // namespace kvpool::bind

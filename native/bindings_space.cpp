@@ -26,6 +26,7 @@
 #include "budget.hpp"
 #include "geometry.hpp"
 #include "ledger.hpp"
+#include "mirror.hpp"
 #include "space.hpp"
 
 namespace nb = nanobind;
@@ -351,6 +352,7 @@ void kvpool::bind::bind_space(nb::module_& m) {
             [](Space& s, int64_t r) {
                 const auto& cfg = s.config();
                 if (r < 0 || r >= cfg.num_regions) throw nb::index_error("region out of range");
+                if (!s.region_base(r)) throw nb::value_error("this space holds no memory itself (mirrored: its ranks do)");
                 const size_t n = static_cast<size_t>(s.num_pages() * cfg.page_bytes);
                 // reference_internal: the array keeps the Space object alive.
                 return nb::ndarray<uint8_t, nb::ndim<1>>(s.region_base(r), {n}, nb::handle(), {},
@@ -363,12 +365,14 @@ void kvpool::bind::bind_space(nb::module_& m) {
                 // Regions are laid out back to back (both backends): one array
                 // over all of them, for engines that address one flat buffer.
                 const auto& cfg = s.config();
+                if (!s.region_base(0)) throw nb::value_error("this space holds no memory itself (mirrored: its ranks do)");
                 const size_t n = static_cast<size_t>(cfg.num_regions * s.num_pages() * cfg.page_bytes);
                 return nb::ndarray<uint8_t, nb::ndim<1>>(s.region_base(0), {n}, nb::handle(), {},
                                                          nb::dtype<uint8_t>(), s.device_type(), s.device_id());
             },
             nb::rv_policy::reference_internal, "All regions, back to back, as one DLPack-capable byte array.")
         .def_prop_ro("share_fd", &Space::share_fd, "The memfd another process can map (-1: none).")
+        .def_prop_ro("mirror_fd", &Space::mirror_fd, "A mirrored space's channel the ranks attach to (-1: none).")
         .def("report_waiting", &Space::report_waiting, "waiting"_a, nb::call_guard<nb::gil_scoped_release>())
         .def_prop_ro("eventfd", &Space::eventfd)
         .def_prop_ro("last_alloc_commits", &Space::last_alloc_commits,
@@ -384,7 +388,8 @@ void kvpool::bind::bind_space(nb::module_& m) {
         [](int64_t num_regions, int64_t page_bytes, int64_t block_bytes, int64_t num_blocks, bool null_block,
            int64_t reserve_min, int64_t reserve_max, bool reserve_thread, double idle_release_s, int64_t limit_bytes,
            int64_t guarantee_bytes, int64_t headroom_bytes, const std::string& device,
-           std::shared_ptr<Ledger> ledger, const std::string& tenant) {
+           std::shared_ptr<Ledger> ledger, const std::string& tenant, const std::vector<int64_t>& rank_regions,
+           double rank_timeout_s) {
             Status st;
             std::unique_ptr<Space> space;
             {
@@ -407,7 +412,24 @@ void kvpool::bind::bind_space(nb::module_& m) {
                 kvpool::BackendConfig bc{num_regions, kvpool::num_pages_for(page_bytes, block_bytes, num_blocks) * page_bytes,
                                          page_bytes};
                 std::unique_ptr<kvpool::Backend> backend;
-                if (device == "cpu") {
+                if (!rank_regions.empty()) {
+                    // Mirrored (mirror.hpp): the ranks' processes hold the memory.
+                    kvpool::MirrorConfig mc;
+                    mc.region_bytes = bc.region_bytes;
+                    mc.page_bytes = page_bytes;
+                    mc.rank_regions = rank_regions;
+                    mc.device_type = device == "cpu" ? 1 : 2;
+                    mc.timeout_s = rank_timeout_s;
+                    int64_t total = 0;
+                    for (int64_t r : rank_regions) total += r > 0 ? r : 0;
+                    if (total != num_regions)
+                        st = Status::make(Code::Invalid, "rank_regions add up to " + std::to_string(total) +
+                                                             " regions, the space has " + std::to_string(num_regions));
+                    else if (device != "cpu" && device.rfind("cuda", 0) != 0)
+                        st = Status::make(Code::Invalid, "unknown device '" + device + "'");
+                    else
+                        backend = kvpool::make_mirror_backend(mc, &st);
+                } else if (device == "cpu") {
                     backend = kvpool::make_cpu_backend(bc, &st);
                 } else if (device.rfind("cuda:", 0) == 0) {
                     backend = kvpool::make_cuda_backend(bc, std::atoi(device.c_str() + 5), &st);
@@ -433,6 +455,8 @@ void kvpool::bind::bind_space(nb::module_& m) {
         },
         "num_regions"_a, "page_bytes"_a, "block_bytes"_a, "num_blocks"_a, "null_block"_a, "reserve_min"_a,
         "reserve_max"_a, "reserve_thread"_a, "idle_release_s"_a, "limit_bytes"_a, "guarantee_bytes"_a,
-        "headroom_bytes"_a, "device"_a, "ledger"_a.none(), "tenant"_a,
-        "Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None).");
+        "headroom_bytes"_a, "device"_a, "ledger"_a.none(), "tenant"_a, "rank_regions"_a = std::vector<int64_t>{},
+        "rank_timeout_s"_a = 5.0,
+        "Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None). With rank_regions, "
+        "a mirrored space whose ranks' processes hold the memory (RankMemory).");
 }

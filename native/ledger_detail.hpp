@@ -1,11 +1,12 @@
 // Internals the ledger's source files share (ledger.cpp: the segment, its
 // snapshot and claims; ledger_tenants.cpp: who a tenant is, joining and
 // leaving; ledger_settings.cpp: the operators' settings). Not for other
-// layers: they use ledger.hpp.
+// layers: they use ledger.hpp (except tenant_dead, which mirror.cpp shares).
 #pragma once
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace kvpool::ledger_detail {
 
@@ -16,5 +17,12 @@ inline bool name_char(char c) { return alnum(c) || c == '.' || c == '_' || c == 
 
 // A stored name as text a reader can print (ledger_tenants.cpp says how).
 std::string sanitized_name(const char* raw, int slot);
+// State letter and start time of a process from /proc/<pid>/stat ('?' and 0
+// when it cannot be read).
+std::pair<char, uint64_t> process_stat(int32_t pid);
+// A process of this PID namespace that is gone: no such pid, a zombie (its
+// memory is already freed), or (start_time != 0) the pid reused by a process
+// that started later. Also how a mirrored space judges its ranks (mirror.cpp).
+bool tenant_dead(int32_t pid, uint64_t start_time);
 
 }  // namespace kvpool::ledger_detail

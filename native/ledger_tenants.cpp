@@ -22,8 +22,10 @@ namespace kvpool {
 using ledger_detail::alnum;
 using ledger_detail::kSeq;
 using ledger_detail::name_char;
+using ledger_detail::process_stat;
+using ledger_detail::tenant_dead;
 
-namespace {
+namespace ledger_detail {
 
 // State letter and start time of a process from /proc/<pid>/stat ('?' and 0
 // when it cannot be read).
@@ -57,7 +59,7 @@ bool tenant_dead(int32_t pid, uint64_t start_time) {
     return start_time != 0 && start != 0 && start != start_time;
 }
 
-}  // namespace
+}  // namespace ledger_detail
 
 namespace ledger_detail {
 
