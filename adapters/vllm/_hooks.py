@@ -61,7 +61,7 @@ from typing import Any, cast
 
 import torch
 
-from kvpool import KVSpace, Pool, SharedMemory, map_shared
+from kvpool import KVSpace, Pool, RankHandle, RankMemory, SharedMemory, map_shared
 from kvpool.pool import default_pool_name
 from kvpool.tracing import get_logger
 
@@ -291,12 +291,11 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[KVSpac
     device = str(vllm_config.device_config.device_type)
     if device not in ("cpu", "cuda"):
         raise NotImplementedError(f"kvpool's vLLM plugin runs on cpu or cuda, not {device}")
-    if device == "cuda" and world > 1:
-        # On CPU every rank's worker maps the engine core's memory file; on
-        # CUDA each rank's GPU must map its own pages, which is not built yet.
-        raise NotImplementedError(
-            f"kvpool's vLLM plugin runs tensor/pipeline parallel engines on cpu only; this cuda engine has {world} "
-            f"ranks (unset KVPOOL_VLLM to run it without kvpool)")
+    # On CPU every rank's worker can map the engine core's memory file; on
+    # CUDA a mapping belongs to its process, so each rank's worker maps its
+    # own pages: a mirrored space (kvpool.ranks). KVPOOL_VLLM_MIRROR=1 runs
+    # the mirrored path on CPU too (how it is tested with real vLLM here).
+    mirror = _mirror_wanted(device, world)
     block_size = int(kv_cache_configs[0].kv_cache_groups[0].kv_cache_spec.block_size)
     idle = os.environ.get("KVPOOL_VLLM_IDLE_RELEASE_S", "1.0")
     try:
@@ -307,6 +306,7 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[KVSpac
         g, device=device, null_block=True, pool=Pool(default_pool_name(), device=device),
         name=os.environ.get("KVPOOL_VLLM_TENANT") or f"vllm-{os.getpid()}",
         idle_release_s=idle_release_s,
+        ranks=[rank.geometry.num_regions for rank in layout.ranks] if mirror else None,
     )
     try:
         # vLLM's own check saw the virtual capacity: judge what the pool can back.
@@ -316,19 +316,23 @@ def _create_space(vllm_config: Any, kv_cache_configs: list[Any]) -> tuple[KVSpac
     except BaseException:
         space.close()  # leave the pool: a refused engine holds no share
         raise
-    if device == "cpu":
-        shared = space.shared_memory()
-        handle: dict[str, Any] = dataclasses.asdict(shared)
+    if mirror:
+        ranks = space.rank_handle()
+        handle: dict[str, Any] = {"pid": ranks.pid, "fd": ranks.fd, "size": g.num_regions * g.region_bytes,
+                                  "mirror": dataclasses.asdict(ranks)}
+    elif device == "cpu":
+        handle = dataclasses.asdict(space.shared_memory())
     else:
         handle = {"pid": os.getpid(), "fd": -1 - len(_spaces), "size": g.num_regions * g.region_bytes}
     handle["region_bytes"] = g.region_bytes
     _spaces[handle["fd"]] = space
-    for cfg, first, rank in zip(kv_cache_configs, layout.first_regions, layout.ranks):
+    for index, (cfg, first, rank) in enumerate(zip(kv_cache_configs, layout.first_regions, layout.ranks)):
         # Rank r's worker views its own regions (layout.engine_layout).
-        setattr(cfg, _ATTR, {**handle, "first_region": first, "num_regions": rank.geometry.num_regions})
+        setattr(cfg, _ATTR, {**handle, "first_region": first, "num_regions": rank.geometry.num_regions,
+                             "rank": index})
     get_logger(pool=space.pool.name if space.pool else None, tenant=space.name).info(
         "vllm space created", num_blocks=g.num_blocks, num_layers=g.num_layers, block_bytes=g.block_bytes,
-        kv_cache_groups=layout.num_groups, ranks=world,
+        kv_cache_groups=layout.num_groups, ranks=world, mirrored=mirror,
         page_bytes=g.page_bytes, device=device, pid=os.getpid())
     _log_start(space, block_size, int(vllm_config.model_config.max_model_len), world)
     return space, handle
@@ -348,14 +352,39 @@ def _log_start(space: KVSpace, block_size: int, max_model_len: int, ranks: int) 
     concurrency = st.max_blocks * block_size / max_model_len
     _vllm_log.info(
         "kvpool is on: pool '%s' (capacity %s), tenant '%s'; vLLM's KV cache size above is virtual: %d blocks "
-        "(%d tokens, %s of address space); %d rank%s; page %d bytes per layer (%s per commit, all ranks); "
+        "(%d tokens, %s of address space); %d rank%s%s; page %d bytes per layer (%s per commit, all ranks); "
         "the pool can back %d blocks "
         "now (%d tokens), at most %d (%s, maximum concurrency %.2fx for %d tokens per request); committed %s",
         pool.name if pool else "-", _size(pool.capacity) if pool else "-", space.name, virtual,
-        virtual * block_size, _size(virtual * per_block), ranks, "" if ranks == 1 else "s", g.page_bytes,
+        virtual * block_size, _size(virtual * per_block), ranks, "" if ranks == 1 else "s",
+        " (mirrored: each maps its own pages)" if space.ranks else "", g.page_bytes,
         _size(g.page_commit_bytes), st.available,
         st.available * block_size, st.max_blocks, _size(st.max_blocks * per_block), concurrency, max_model_len,
         _size(st.committed_bytes))
+
+
+def _mirror_wanted(device: str, world: int) -> bool:
+    forced = os.environ.get("KVPOOL_VLLM_MIRROR", "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"KVPOOL_VLLM_MIRROR must be 0 or 1, got {forced!r}")
+    return forced == "1" or (device == "cuda" and world > 1)
+
+
+# This process's ranks of mirrored spaces, by (leader pid, channel fd, rank):
+# held for the worker's life (the views read their memory).
+_ranks: dict[tuple[int, int, int], RankMemory] = {}
+
+
+def _rank_memory(handle: dict[str, Any], device: Any) -> RankMemory:
+    key = (int(handle["pid"]), int(handle["fd"]), int(handle["rank"]))
+    mem = _ranks.get(key)
+    if mem is None or mem.closed:
+        dev = torch.device(device)
+        where = "cpu" if dev.type == "cpu" else f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
+        mem = _ranks[key] = RankMemory(RankHandle(**{**handle["mirror"],
+                                                    "rank_regions": tuple(handle["mirror"]["rank_regions"])}),
+                                       key[2], device=where)
+    return mem
 
 
 def _views(kv_cache_config: Any, device: Any, kv_layout: Any,
@@ -364,18 +393,22 @@ def _views(kv_cache_config: Any, device: Any, kv_layout: Any,
 
     handle = getattr(kv_cache_config, _ATTR)
     layout = space_layout(kv_cache_config)
-    same_process = handle["pid"] == os.getpid() and handle["fd"] in _spaces
-    if same_process:
-        raw = _spaces[handle["fd"]].memory()  # the space's own mapping
-    else:
-        raw = map_shared(SharedMemory(handle["pid"], handle["fd"], handle["size"]))
     g = layout.geometry
     if (g.region_bytes, g.num_regions) != (handle["region_bytes"], handle.get("num_regions", g.num_regions)):
         raise RuntimeError(f"this rank's KV layout ({g.num_regions} regions of {g.region_bytes} bytes) is not the "
                            f"one the kvpool space was made for ({handle})")
-    start = handle.get("first_region", 0) * g.region_bytes  # this rank's regions (layout.EngineLayout)
-    raw = raw[start:start + g.num_regions * g.region_bytes]
+    same_process = handle["pid"] == os.getpid() and handle["fd"] in _spaces
+    if "mirror" in handle:
+        raw = _rank_memory(handle, device).memory()  # this rank's own pages, its regions only
+    else:
+        if same_process:
+            raw = _spaces[handle["fd"]].memory()  # the space's own mapping
+        else:
+            raw = map_shared(SharedMemory(handle["pid"], handle["fd"], handle["size"]))
+        start = handle.get("first_region", 0) * g.region_bytes  # this rank's regions (layout.EngineLayout)
+        raw = raw[start:start + g.num_regions * g.region_bytes]
     get_logger().info("vllm worker views", owner_pid=handle["pid"], pid=os.getpid(), shared_file=not same_process,
+                      mirrored="mirror" in handle, rank=handle.get("rank", 0),
                       first_region=handle.get("first_region", 0), bytes=raw.numel(), tensors=len(layout.placements),
                       groups=layout.num_groups)
     raw = raw.view(torch.int8)

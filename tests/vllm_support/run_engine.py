@@ -186,35 +186,71 @@ def main() -> None:
 
 def memory_per_rank(ranks: int) -> list[int]:
     """Allocated bytes of this process's kvpool memory files, in ``ranks``
-    equal slices (the space holds rank r's regions in slice r); [] when this
-    process holds none (the plugin off, or the engine core elsewhere)."""
-    out = [0] * ranks
-    seen = False
-    for name in os.listdir("/proc/self/fd"):
+    equal slices (the space holds rank r's regions in slice r); a mirrored
+    space (KVPOOL_VLLM_MIRROR=1) has none here: then each worker process (a
+    descendant) holds one file, its rank's memory, listed in pid order.
+    [] when no process holds one (the plugin off, or the engine core elsewhere)."""
+    own = _allocated(os.getpid())
+    if own:
+        out = [0] * ranks
+        for size, extents in own:
+            step = size // ranks
+            for data, hole in extents:
+                for r in range(ranks):  # the extent's bytes in each rank's slice
+                    out[r] += max(0, min(hole, (r + 1) * step) - max(data, r * step))
+        return out
+    per_worker = [sum(hole - data for _, extents in files for data, hole in extents)
+                  for pid in _descendants() if (files := _allocated(pid))]
+    return per_worker if len(per_worker) == ranks else []
+
+
+def _allocated(pid: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """(size, allocated extents) of each kvpool memory file process ``pid`` holds."""
+    files = []
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    for name in names:
         try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:kvpool-space"):
+            if not os.readlink(f"/proc/{pid}/fd/{name}").startswith("/memfd:kvpool-space"):
                 continue
-            fd = os.open(f"/proc/self/fd/{name}", os.O_RDONLY)
+            fd = os.open(f"/proc/{pid}/fd/{name}", os.O_RDONLY)
         except OSError:
             continue  # closed meanwhile
         try:
-            seen = True
-            size = os.fstat(fd).st_size
-            step = size // ranks
-            pos = 0
+            size, pos, extents = os.fstat(fd).st_size, 0, []
             while pos < size:
                 try:
                     data = os.lseek(fd, pos, os.SEEK_DATA)
                 except OSError:
                     break  # no data after pos
                 hole = os.lseek(fd, data, os.SEEK_HOLE)
-                for r in range(ranks):  # the extent's bytes in each rank's slice
-                    lo, hi = max(data, r * step), min(hole, (r + 1) * step)
-                    out[r] += max(0, hi - lo)
+                extents.append((data, hole))
                 pos = hole
+            files.append((size, extents))
         finally:
             os.close(fd)
-    return out if seen else []
+    return files
+
+
+def _descendants() -> list[int]:
+    parent: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parent[int(name)] = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    mine, found = {os.getpid()}, True
+    while found:
+        found = False
+        for pid, ppid in parent.items():
+            if ppid in mine and pid not in mine:
+                mine.add(pid)
+                found = True
+    return sorted(mine - {os.getpid()})
 
 
 def stepped(llm: Any, prompts: list[list[int]], sp: Any, barrier: dict[str, Any], tenant: str | None,
