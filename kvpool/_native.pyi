@@ -388,6 +388,10 @@ class Space:
     def mirror_fd(self) -> int:
         """A mirrored space's channel the ranks attach to (-1: none)."""
 
+    @property
+    def mirror_nonce(self) -> int:
+        """The channel's random identity (0: none)."""
+
     def report_waiting(self, waiting: int) -> None: ...
 
     @property
@@ -470,7 +474,7 @@ class RankMemory:
 
     def close(self) -> None: ...
 
-def attach_rank(pid: int, fd: int, rank: int, device: str) -> tuple[int, str, object]:
+def attach_rank(pid: int, fd: int, nonce: int, rank: int, device: str) -> tuple[int, str, object]:
     """
     Attach to a mirrored space's channel as `rank`: (code, message, RankMemory | None).
     """

@@ -54,6 +54,7 @@ class RankHandle:
 
     pid: int
     fd: int
+    nonce: int                     # the channel's random identity: a stale handle is refused
     rank_regions: tuple[int, ...]  # regions of each rank, in the space's order
     region_bytes: int
 
@@ -75,7 +76,10 @@ class RankMemory:
             raise TypeError(f"handle must be a kvpool.RankHandle, got {type(handle).__name__}")
         rank = V.integer("rank", rank, hi=handle.num_ranks - 1)
         device = V.device(device)
-        code, msg, native = _core.native.attach_rank(handle.pid, handle.fd, rank, device)
+        code, msg, native = _core.native.attach_rank(V.integer("handle.pid", handle.pid, lo=1, hi=2**31 - 1),
+                                                     V.integer("handle.fd", handle.fd, hi=2**31 - 1),
+                                                     V.integer("handle.nonce", handle.nonce, lo=1, hi=2**64 - 1),
+                                                     rank, device)
         if native is None:
             _core.raise_status(code, f"cannot attach rank {rank} on {device}: {msg}")
         self._mem = cast(_core.native.RankMemory, native)
@@ -92,10 +96,9 @@ class RankMemory:
 
     def region(self, index: int) -> torch.Tensor:
         """This rank's region ``index`` (0-based within the rank) as a flat ``uint8`` tensor."""
-        n = self.handle.rank_regions[self.rank]
-        index = V.integer("index", index, hi=n - 1)
-        size = self.handle.region_bytes
-        return self.memory()[index * size:(index + 1) * size]
+        s = self.stats()  # the channel's figures, checked at attach (not the handle's)
+        index = V.integer("index", index, hi=s.num_regions - 1)
+        return self.memory()[index * s.region_bytes:(index + 1) * s.region_bytes]
 
     def stats(self) -> RankStats:
         """What this rank holds (committed pages, bytes its backend allocated, its counters)."""
@@ -114,7 +117,11 @@ class RankMemory:
             raise PoolClosed(f"rank {self.rank}'s memory is closed")
 
     def close(self) -> None:
-        """Give this rank's memory back and leave its slot (a new process may attach). Idempotent."""
+        """Give this rank's memory back and leave its slot (a new process may attach). Idempotent.
+
+        ``closed`` is also true once the leader closed the space (or exited)
+        and this rank gave its memory back.
+        """
         self._mem.close()
 
     def __enter__(self) -> RankMemory:

@@ -488,8 +488,8 @@ class KVSpace:
         self._check_open()
         if not self.ranks:
             raise ValueError("rank_handle() is for a mirrored space (KVSpace(..., ranks=[...]))")
-        return RankHandle(pid=os.getpid(), fd=int(self._space.mirror_fd), rank_regions=self.ranks,
-                          region_bytes=self.geometry.region_bytes)
+        return RankHandle(pid=os.getpid(), fd=int(self._space.mirror_fd), nonce=int(self._space.mirror_nonce),
+                          rank_regions=self.ranks, region_bytes=self.geometry.region_bytes)
 
     def shared_memory(self) -> SharedMemory:
         """A handle another process passes to :func:`map_shared` (CPU spaces)."""

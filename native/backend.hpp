@@ -36,6 +36,8 @@ public:
     // A mirrored space's channel (mirror.hpp), which each rank's process
     // attaches to; -1 for a backend that holds its own memory.
     virtual int mirror_fd() const { return -1; }
+    // The channel's random identity, which a rank's handle must carry.
+    virtual uint64_t mirror_nonce() const { return 0; }
     // For a copy inherited across fork(): make this process's view of the
     // range inert without giving anything back (never punches holes, never
     // calls the driver: the memory is the parent's). After it, commit and

@@ -50,16 +50,16 @@ void kvpool::bind::bind_mirror(nb::module_& m) {
 
     m.def(
         "attach_rank",
-        [](int pid, int fd, int rank, const std::string& device) {
+        [](int pid, int fd, uint64_t nonce, int rank, const std::string& device) {
             Status st;
             std::unique_ptr<RankMemory> rm;
             {
                 nb::gil_scoped_release nogil;
-                rm = RankMemory::attach(pid, fd, rank, device, &st);
+                rm = RankMemory::attach(pid, fd, nonce, rank, device, &st);
             }
             nb::object obj = rm ? nb::cast(std::move(rm)) : nb::none();
             return std::make_tuple(static_cast<int>(st.code), st.message, obj);
         },
-        "pid"_a, "fd"_a, "rank"_a, "device"_a,
+        "pid"_a, "fd"_a, "nonce"_a, "rank"_a, "device"_a,
         "Attach to a mirrored space's channel as `rank`: (code, message, RankMemory | None).");
 }

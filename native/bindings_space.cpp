@@ -373,6 +373,7 @@ void kvpool::bind::bind_space(nb::module_& m) {
             nb::rv_policy::reference_internal, "All regions, back to back, as one DLPack-capable byte array.")
         .def_prop_ro("share_fd", &Space::share_fd, "The memfd another process can map (-1: none).")
         .def_prop_ro("mirror_fd", &Space::mirror_fd, "A mirrored space's channel the ranks attach to (-1: none).")
+        .def_prop_ro("mirror_nonce", &Space::mirror_nonce, "The channel's random identity (0: none).")
         .def("report_waiting", &Space::report_waiting, "waiting"_a, nb::call_guard<nb::gil_scoped_release>())
         .def_prop_ro("eventfd", &Space::eventfd)
         .def_prop_ro("last_alloc_commits", &Space::last_alloc_commits,

@@ -2,12 +2,11 @@
 // shared channel (design: mirror.hpp).
 #include "mirror.hpp"
 
-#include "ledger_detail.hpp"
-
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -19,13 +18,19 @@
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <random>
+
+#include "ledger.hpp"
+#include "ledger_detail.hpp"
 
 namespace kvpool {
 
 namespace {
 constexpr uint64_t kMagic = 0x6b76706f6f6c4d52ULL;  // "kvpoolMR"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr int kMsgBytes = 200;
+constexpr uint64_t kNoPage = 0xffffffffULL;  // a change that is only a wake-up (close)
+constexpr double kRetryS = 0.2;              // a rank's pause before it retries a page that failed
 using clock = std::chrono::steady_clock;
 
 long futex(std::atomic<uint32_t>* word, int op, uint32_t val, const struct timespec* ts) {
@@ -41,19 +46,34 @@ void futex_wait_for(std::atomic<uint32_t>* word, uint32_t seen, double seconds) 
     futex(word, FUTEX_WAIT, seen, &ts);
 }
 
-// A rank or leader that exited (a zombie counts: its memory is freed). Reads
-// /proc: for waits that already took a while, not for every operation.
-bool pid_gone(int32_t pid) { return ledger_detail::tenant_dead(pid, 0); }
+// A process that exited (a zombie counts: its memory is freed) or whose pid
+// now names a later process (start time given). Reads /proc: for waits that
+// already took a while, not for every operation.
+bool gone(int32_t pid, uint64_t start) { return ledger_detail::tenant_dead(pid, start); }
 // The cheap look (one syscall): no such pid at all.
-bool pid_gone_fast(int32_t pid) { return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH; }
+bool gone_fast(int32_t pid) { return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH; }
 
 // The generation g was reached by an acknowledgement a (wrap-around safe).
 bool reached(uint32_t a, uint32_t g) { return static_cast<int32_t>(a - g) >= 0; }
+
+clock::duration seconds(double s) {
+    return std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(s));
+}
+
+uint64_t random_nonce() {
+    uint64_t n = 0;
+    if (getrandom(&n, sizeof(n), 0) != static_cast<ssize_t>(sizeof(n))) {
+        std::random_device rd;
+        n = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(clock::now().time_since_epoch().count());
+    }
+    return n | 1;  // never 0: 0 is "no channel"
+}
 }  // namespace
 
 struct RankSlot {
     std::atomic<int32_t> pid;   // 0: no rank attached
     std::atomic<uint32_t> ack;  // futex word: the generation this rank's memory matches
+    std::atomic<uint64_t> start_time;  // the rank's process start time (pid reuse)
     std::atomic<uint32_t> fail_gen;
     std::atomic<int32_t> fail_code;
     std::atomic<int64_t> fail_page;
@@ -65,6 +85,7 @@ struct Channel {
     uint64_t magic;
     uint32_t version;
     int32_t num_ranks;
+    uint64_t nonce;
     int64_t region_bytes, page_bytes, num_pages;
     int32_t device_type;
     int32_t leader_pid;
@@ -87,20 +108,20 @@ namespace {
 
 class MirrorBackend final : public Backend {
 public:
-    explicit MirrorBackend(const MirrorConfig& cfg) : cfg_(cfg) {}
+    explicit MirrorBackend(const MirrorConfig& cfg) : cfg_(cfg), n_(static_cast<int>(cfg.rank_regions.size())) {}
     ~MirrorBackend() override { close(); }
 
     Status open() {
-        const int64_t n = static_cast<int64_t>(cfg_.rank_regions.size());
-        if (n < 1 || n > kMaxRanks || cfg_.page_bytes <= 0 || cfg_.region_bytes <= 0 ||
+        if (n_ < 1 || n_ > kMaxRanks || cfg_.page_bytes <= 0 || cfg_.region_bytes <= 0 ||
             cfg_.region_bytes % cfg_.page_bytes != 0 || !(cfg_.timeout_s > 0 && cfg_.timeout_s <= 3600) ||
             std::any_of(cfg_.rank_regions.begin(), cfg_.rank_regions.end(), [](int64_t r) { return r <= 0; }))
-            return Status::make(Code::Invalid, "invalid mirrored space: " + std::to_string(n) +
+            return Status::make(Code::Invalid, "invalid mirrored space: " + std::to_string(n_) +
                                                    " ranks (1.." + std::to_string(kMaxRanks) +
                                                    ", each with at least one region), timeout " +
                                                    std::to_string(cfg_.timeout_s) + " s (0 < timeout <= 3600)");
         num_pages_ = cfg_.region_bytes / cfg_.page_bytes;
         bytes_ = Channel::bytes_for(num_pages_);
+        nonce_ = random_nonce();
         fd_ = memfd_create("kvpool-mirror", MFD_CLOEXEC);
         if (fd_ < 0) return Status::make(Code::Backend, errno_text("memfd_create", errno));
         if (ftruncate(fd_, static_cast<off_t>(bytes_)) != 0) return Status::make(Code::Backend, errno_text("ftruncate", errno));
@@ -109,20 +130,21 @@ public:
         ch_ = new (m) Channel();  // zero-filled file: every word starts at 0
         ch_->magic = kMagic;
         ch_->version = kVersion;
-        ch_->num_ranks = static_cast<int32_t>(n);
+        ch_->num_ranks = n_;
+        ch_->nonce = nonce_;
         ch_->region_bytes = cfg_.region_bytes;
         ch_->page_bytes = cfg_.page_bytes;
         ch_->num_pages = num_pages_;
         ch_->device_type = cfg_.device_type;
         ch_->leader_pid = static_cast<int32_t>(getpid());
         int64_t first = 0;
-        for (int64_t r = 0; r < n; ++r) {
+        for (int r = 0; r < n_; ++r) {
             ch_->first_region[r] = first;
             ch_->rank_regions[r] = cfg_.rank_regions[r];
             first += cfg_.rank_regions[r];
         }
-        known_pid_.assign(n, 0);
-        behind_.assign(n, false);
+        known_pid_.assign(n_, 0);
+        behind_.assign(n_, false);
         return Status::ok();
     }
 
@@ -133,36 +155,42 @@ public:
         std::lock_guard<std::mutex> g(map_mu_);  // never waits for an operation in flight
         if (!ch_) return 0;
         int64_t total = 0;
-        for (int r = 0; r < ch_->num_ranks; ++r)
-            if (ch_->ranks[r].pid.load(std::memory_order_acquire) != 0)
-                total += std::max<int64_t>(0, ch_->ranks[r].allocated_bytes.load(std::memory_order_relaxed));
+        for (int r = 0; r < n_; ++r) {
+            if (ch_->ranks[r].pid.load(std::memory_order_acquire) == 0) continue;
+            // A rank's figure, bounded by what its regions can hold.
+            const int64_t most = cfg_.rank_regions[r] * cfg_.region_bytes;
+            total += std::clamp<int64_t>(ch_->ranks[r].allocated_bytes.load(std::memory_order_relaxed), 0, most);
+        }
         return total;
     }
     void* region_base(int64_t) const override { return nullptr; }  // the memory lives in the ranks
     int device_type() const override { return cfg_.device_type; }
     int mirror_fd() const override { return fd_; }
+    uint64_t mirror_nonce() const override { return nonce_; }
 
     void close() override {
         std::lock_guard<std::mutex> g(mu_);
-        if (!ch_) return;
-        ch_->closed.store(1, std::memory_order_release);
-        publish_locked(-1, false);  // wakes every rank; they give their memory back
-        unmap_locked();
+        if (ch_) {
+            ch_->closed.store(1, std::memory_order_seq_cst);
+            publish_locked(-1, false);  // wakes every rank; they give their memory back
+        }
+        std::lock_guard<std::mutex> m(map_mu_);
+        unmap();
     }
     void abandon() override {
-        // A forked child's copy: never writes the channel (the parent's).
-        std::lock_guard<std::mutex> g(mu_);
-        unmap_locked();
+        // A forked child's copy: never writes the channel (the parent's) and
+        // takes no lock (an operation may have held one at the fork).
+        unmap();
     }
 
     std::string describe() const override {
         std::lock_guard<std::mutex> g(map_mu_);
         int attached = 0;
         if (ch_)
-            for (int r = 0; r < ch_->num_ranks; ++r) attached += ch_->ranks[r].pid.load() != 0;
+            for (int r = 0; r < n_; ++r) attached += ch_->ranks[r].pid.load() != 0;
         char buf[160];
-        std::snprintf(buf, sizeof(buf), "mirrored over %zu ranks (%d attached), rank timeout %.3g s",
-                      cfg_.rank_regions.size(), attached, cfg_.timeout_s);
+        std::snprintf(buf, sizeof(buf), "mirrored over %d ranks (%d attached), rank timeout %.3g s", n_, attached,
+                      cfg_.timeout_s);
         return buf;
     }
     std::string last_error() const override {
@@ -171,21 +199,24 @@ public:
     }
 
 private:
-    void unmap_locked() {
-        std::lock_guard<std::mutex> m(map_mu_);
+    void unmap() {
         if (ch_) munmap(ch_, bytes_);
         ch_ = nullptr;
         if (fd_ >= 0) ::close(fd_);
         fd_ = -1;
     }
 
-    // want[page] = on, then the next generation (page -1: no change, a wake-up).
+    // want[page] = on, then the next generation (page -1: no change, a
+    // wake-up). The generation is counted here, not read back from the
+    // channel a rank can write.
     uint32_t publish_locked(int64_t page, bool on) {
         if (page >= 0) ch_->want()[page].store(on ? 1 : 0, std::memory_order_relaxed);
-        const uint32_t g = ch_->gen.load(std::memory_order_relaxed) + 1;
-        const uint64_t page_bits = page >= 0 ? static_cast<uint64_t>(page) & 0xffffffffULL : 0xffffffffULL;
+        const uint32_t g = ++gen_;
+        const uint64_t page_bits = page >= 0 ? static_cast<uint64_t>(page) & kNoPage : kNoPage;
         ch_->change.store((static_cast<uint64_t>(g) << 32) | page_bits, std::memory_order_release);
-        ch_->gen.store(g, std::memory_order_release);
+        // seq_cst: ordered before the slot reads that follow (a rank that
+        // attaches now either is seen by them or sees this generation).
+        ch_->gen.store(g, std::memory_order_seq_cst);
         futex(&ch_->gen, FUTEX_WAKE, INT_MAX, nullptr);
         return g;
     }
@@ -194,12 +225,28 @@ private:
         return "rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ")";
     }
 
+    bool rank_gone(int r, int32_t pid) const {
+        return gone(pid, ch_->ranks[r].start_time.load(std::memory_order_acquire));
+    }
+
     // A rank whose process is gone holds no memory: leave its slot free.
     void detach_locked(int r, int32_t pid) {
         int32_t expected = pid;
-        ch_->ranks[r].pid.compare_exchange_strong(expected, 0);
+        if (ch_->ranks[r].pid.compare_exchange_strong(expected, 0))
+            ch_->ranks[r].start_time.store(0, std::memory_order_release);
         known_pid_[r] = 0;
         behind_[r] = false;
+    }
+
+    // Note a slot's current pid; a new one (attached, re-attached, detached)
+    // is not behind. Returns the pid.
+    int32_t look_locked(int r) {
+        const int32_t pid = ch_->ranks[r].pid.load(std::memory_order_seq_cst);
+        if (pid != known_pid_[r]) {
+            known_pid_[r] = pid;
+            behind_[r] = false;
+        }
+        return pid;
     }
 
     Status op(int64_t page, bool on) {
@@ -207,44 +254,32 @@ private:
         if (!ch_) return Status::make(Code::Closed, "mirrored space closed");
         if (page < 0 || page >= num_pages_)
             return Status::make(Code::Invalid, "page " + std::to_string(page) + " out of range");
-        const char* what = on ? "commit" : "release";
-        // Who takes part: attached ranks that are alive and not behind.
-        std::vector<int> live;
-        for (int r = 0; r < ch_->num_ranks; ++r) {
-            RankSlot& s = ch_->ranks[r];
-            const int32_t pid = s.pid.load(std::memory_order_acquire);
-            if (pid != known_pid_[r]) {  // attached, re-attached or detached since the last operation
-                known_pid_[r] = pid;
-                behind_[r] = false;
-            }
-            if (pid == 0) continue;
-            if (pid_gone_fast(pid)) {
+        const std::string what = std::string(on ? "commit" : "release") + "(page " + std::to_string(page) + "): ";
+        // A rank still behind fails the operation before anything changes.
+        for (int r = 0; r < n_; ++r) {
+            const int32_t pid = look_locked(r);
+            if (pid == 0 || !behind_[r]) continue;
+            if (gone_fast(pid) || rank_gone(r, pid)) {
                 detach_locked(r, pid);
-                continue;
+            } else if (reached(ch_->ranks[r].ack.load(std::memory_order_acquire), gen_)) {
+                behind_[r] = false;
+            } else {
+                return fail_locked(Code::Shortage, what + who(r, pid) + " is behind: it has not answered for " +
+                                                       std::to_string(cfg_.timeout_s) + " s or more");
             }
-            if (behind_[r]) {
-                if (reached(s.ack.load(std::memory_order_acquire), ch_->gen.load(std::memory_order_relaxed))) {
-                    behind_[r] = false;
-                } else {
-                    return fail_locked(Code::Shortage, std::string(what) + "(page " + std::to_string(page) + "): " +
-                                                           who(r, pid) + " is behind: it has not answered for " +
-                                                           std::to_string(cfg_.timeout_s) + " s or more");
-                }
-            }
-            live.push_back(r);
         }
         const uint32_t gen = publish_locked(page, on);
-        Status s = await_locked(gen, live, page, on, clock::now() + to_duration(cfg_.timeout_s));
+        Status s = await_locked(gen, page, on, clock::now() + seconds(cfg_.timeout_s));
         if (on && !s.is_ok()) {
             // Roll back: no rank keeps a page the space does not count.
             const uint32_t back = publish_locked(page, false);
-            Status r = await_locked(back, live, page, false, clock::now() + to_duration(cfg_.timeout_s));
+            Status r = await_locked(back, page, false, clock::now() + seconds(cfg_.timeout_s));
             if (!r.is_ok()) s.message += "; rollback: " + r.message;
             return fail_locked(s.code, s.message);
         }
         if (!on && !s.is_ok()) {
-            // The map says released; the ranks that did not follow hold the
-            // page until they answer (mirror.hpp: a rank stopped mid-release).
+            // The map says released; a rank that did not follow holds the
+            // page until it answers (mirror.hpp: a rank stopped mid-release).
             std::lock_guard<std::mutex> e(err_mu_);
             last_error_ = s.message;
             return Status::ok();
@@ -258,19 +293,18 @@ private:
         return Status::make(code, msg);
     }
 
-    static clock::duration to_duration(double s) {
-        return std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(s));
-    }
-
-    // Waits for every rank in `live` to acknowledge `gen`; the first failure
-    // wins the status. Marks a rank that did not answer in time as behind.
-    Status await_locked(uint32_t gen, const std::vector<int>& live, int64_t page, bool on, clock::time_point deadline) {
+    // Waits for every rank attached now (after the publish: one attaching
+    // meanwhile either is seen here or read this generation's map) to
+    // acknowledge `gen`; the first failure wins the status. A rank that did
+    // not answer in time is behind; one that exited is detached and skipped
+    // (it holds nothing; a new process catches up when it attaches).
+    Status await_locked(uint32_t gen, int64_t page, bool on, clock::time_point deadline) {
         Status result;
         const std::string what = std::string(on ? "commit" : "release") + "(page " + std::to_string(page) + "): ";
-        for (int r : live) {
-            if (behind_[r]) continue;  // timed out earlier in this operation: not waited for twice
+        for (int r = 0; r < n_; ++r) {
+            const int32_t pid = look_locked(r);
+            if (pid == 0 || behind_[r]) continue;
             RankSlot& s = ch_->ranks[r];
-            const int32_t pid = known_pid_[r];
             bool waited = false;  // look in /proc only once an answer is slow
             for (;;) {
                 const uint32_t a = s.ack.load(std::memory_order_acquire);
@@ -280,17 +314,16 @@ private:
                         char msg[kMsgBytes + 1];
                         std::memcpy(msg, s.fail_msg, kMsgBytes);
                         msg[kMsgBytes] = '\0';
-                        int code = s.fail_code.load(std::memory_order_relaxed);
                         // A rank writes Shortage or Backend; anything else is garbage.
-                        const Code c = code == static_cast<int>(Code::Shortage) ? Code::Shortage : Code::Backend;
+                        const Code c = s.fail_code.load(std::memory_order_relaxed) == static_cast<int>(Code::Shortage)
+                                           ? Code::Shortage
+                                           : Code::Backend;
                         result = Status::make(c, what + who(r, pid) + ": " + msg);
                     }
                     break;
                 }
-                if (s.pid.load(std::memory_order_acquire) != pid || (waited && pid_gone(pid))) {
+                if (s.pid.load(std::memory_order_acquire) != pid || (waited && rank_gone(r, pid))) {
                     detach_locked(r, pid);
-                    if (on && result.is_ok())
-                        result = Status::make(Code::Shortage, what + who(r, pid) + " exited");
                     break;
                 }
                 const auto now = clock::now();
@@ -310,6 +343,7 @@ private:
     }
 
     MirrorConfig cfg_;
+    const int n_;
     // mu_: one operation at a time (held while it waits for the ranks).
     // map_mu_: ch_ for the readers that must not wait for an operation
     // (figures); unmapping takes both.
@@ -319,6 +353,8 @@ private:
     int fd_ = -1;
     size_t bytes_ = 0;
     int64_t num_pages_ = 0;
+    uint64_t nonce_ = 0;
+    uint32_t gen_ = 0;
     std::vector<int32_t> known_pid_;
     std::vector<bool> behind_;
 };
@@ -334,13 +370,14 @@ std::unique_ptr<Backend> make_mirror_backend(const MirrorConfig& cfg, Status* st
 
 // ------------------------------------------------------------------ rank
 
-std::unique_ptr<RankMemory> RankMemory::attach(int pid, int fd, int rank, const std::string& device,
+std::unique_ptr<RankMemory> RankMemory::attach(int pid, int fd, uint64_t nonce, int rank, const std::string& device,
                                                Status* status) {
     auto fail = [&](Code c, const std::string& m) {
         *status = Status::make(c, m);
         return std::unique_ptr<RankMemory>();
     };
-    if (pid <= 0 || fd < 0) return fail(Code::Invalid, "invalid rank handle: pid " + std::to_string(pid) + ", fd " + std::to_string(fd));
+    if (pid <= 0 || fd < 0 || nonce == 0)
+        return fail(Code::Invalid, "invalid rank handle: pid " + std::to_string(pid) + ", fd " + std::to_string(fd));
     if (rank < 0 || rank >= kMaxRanks) return fail(Code::Invalid, "rank " + std::to_string(rank) + " out of range");
     int dtype = 0, dev = 0;
     if (device == "cpu") {
@@ -352,12 +389,13 @@ std::unique_ptr<RankMemory> RankMemory::attach(int pid, int fd, int rank, const 
         return fail(Code::Invalid, "unknown device '" + device + "'");
     }
     const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
-    const int cfd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    const uint64_t leader_start = process_start_time(pid);
+    const int cfd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK);
     if (cfd < 0) return fail(Code::Backend, errno_text("open " + path + " (the leader's mirror channel)", errno));
     struct stat st;
-    if (fstat(cfd, &st) != 0 || static_cast<size_t>(st.st_size) < sizeof(Channel)) {
+    if (fstat(cfd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<size_t>(st.st_size) < sizeof(Channel)) {
         ::close(cfd);
-        return fail(Code::Invalid, path + " is not a kvpool mirror channel (too small)");
+        return fail(Code::Invalid, path + " is not a kvpool mirror channel");
     }
     const size_t size = static_cast<size_t>(st.st_size);
     void* m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, cfd, 0);
@@ -369,50 +407,67 @@ std::unique_ptr<RankMemory> RankMemory::attach(int pid, int fd, int rank, const 
         return fail(Code::Invalid, path + ": " + why);
     };
     if (ch->magic != kMagic || ch->version != kVersion) return bad("not a kvpool mirror channel of this version");
-    if (ch->num_ranks < 1 || ch->num_ranks > kMaxRanks || ch->page_bytes <= 0 || ch->region_bytes <= 0 ||
-        ch->region_bytes % ch->page_bytes != 0 || ch->num_pages != ch->region_bytes / ch->page_bytes ||
-        Channel::bytes_for(ch->num_pages) > size)
+    if (ch->nonce != nonce) return bad("another mirrored space than the handle's (the handle is stale)");
+    const int64_t region_bytes = ch->region_bytes, page_bytes = ch->page_bytes, num_pages = ch->num_pages;
+    const int num_ranks = ch->num_ranks;
+    if (num_ranks < 1 || num_ranks > kMaxRanks || page_bytes <= 0 || region_bytes <= 0 ||
+        region_bytes % page_bytes != 0 || num_pages != region_bytes / page_bytes ||
+        Channel::bytes_for(num_pages) > size)
         return bad("inconsistent channel header");
-    if (rank >= ch->num_ranks)
-        return bad("rank " + std::to_string(rank) + " out of range: the space has " + std::to_string(ch->num_ranks) + " ranks");
+    if (rank >= num_ranks)
+        return bad("rank " + std::to_string(rank) + " out of range: the space has " + std::to_string(num_ranks) + " ranks");
     if (ch->device_type != dtype)
         return bad(std::string("the space's ranks are on ") + (ch->device_type == 2 ? "cuda" : "cpu") + ", not " + device);
-    const int64_t regions = ch->rank_regions[rank];
-    if (regions <= 0 || regions > (INT64_MAX / 2) / ch->region_bytes) return bad("inconsistent rank regions");
+    const int64_t regions = ch->rank_regions[rank], first = ch->first_region[rank];
+    if (regions <= 0 || regions > (INT64_MAX / 4) / region_bytes || first < 0) return bad("inconsistent rank regions");
 
     std::unique_ptr<RankMemory> rm(new RankMemory());
-    rm->ch_ = ch;
     rm->map_bytes_ = size;
     rm->rank_ = rank;
     rm->pid_ = static_cast<int32_t>(getpid());
-    rm->leader_pid_ = ch->leader_pid;
+    rm->leader_pid_ = pid;
+    rm->leader_start_ = leader_start;
+    rm->first_region_ = first;
+    rm->num_regions_ = regions;
+    rm->region_bytes_ = region_bytes;
+    rm->page_bytes_ = page_bytes;
     rm->device_ = device;
     // Claim the slot: free, or left by a process that is gone.
     RankSlot& slot = ch->ranks[rank];
     int32_t expected = 0;
     if (!slot.pid.compare_exchange_strong(expected, rm->pid_)) {
-        if (expected == rm->pid_ || !pid_gone(expected) || !slot.pid.compare_exchange_strong(expected, rm->pid_)) {
-            rm->ch_ = nullptr;
+        const bool dead = expected != rm->pid_ && gone(expected, slot.start_time.load());
+        // Taking over a dead rank's slot: its start time goes first, so
+        // that no reader pairs this pid with the old process's start time.
+        if (dead) slot.start_time.store(0, std::memory_order_seq_cst);
+        if (!dead || !slot.pid.compare_exchange_strong(expected, rm->pid_)) {
             munmap(m, size);
             return fail(Code::Ledger, "rank " + std::to_string(rank) + " is attached already (pid " + std::to_string(expected) + ")");
         }
     }
-    BackendConfig bc{regions, ch->region_bytes, ch->page_bytes};
+    slot.start_time.store(process_start_time(rm->pid_), std::memory_order_release);
+    rm->ch_ = ch;  // from here close() gives the slot back
+    BackendConfig bc{regions, region_bytes, page_bytes};
     Status s;
     rm->backend_ = dtype == 1 ? make_cpu_backend(bc, &s) : make_cuda_backend(bc, dev, &s);
     if (!rm->backend_) {
-        slot.pid.store(0, std::memory_order_release);
-        rm->ch_ = nullptr;
-        munmap(m, size);
+        rm->close();
         *status = s;
         return nullptr;
     }
-    rm->have_.assign(static_cast<size_t>(ch->num_pages), 0);
-    const uint32_t g = ch->gen.load(std::memory_order_acquire);
-    s = rm->catch_up(g, true);
-    if (!s.is_ok()) {
+    rm->have_.assign(static_cast<size_t>(num_pages), 0);
+    // Read after the claim (seq_cst): a leader that published before it is
+    // in this map; one that publishes after it waits for this rank.
+    const uint32_t g = ch->gen.load(std::memory_order_seq_cst);
+    if (!rm->full_pass(-1)) {
+        std::string why;
+        {
+            std::lock_guard<std::mutex> e(rm->err_mu_);
+            why = rm->last_error_;
+        }
         rm->close();
-        *status = s;
+        *status = Status::make(Code::Shortage, "rank " + std::to_string(rank) +
+                                                   " cannot map the pages the space holds: " + why);
         return nullptr;
     }
     rm->seen_ = g;
@@ -430,46 +485,18 @@ std::unique_ptr<RankMemory> RankMemory::attach(int pid, int fd, int rank, const 
     return rm;
 }
 
-RankMemory::~RankMemory() { close(); }
+RankMemory::~RankMemory() {
+    close();
+    if (ch_) munmap(ch_, map_bytes_);
+}
 
 void* RankMemory::base() const { return backend_ ? backend_->region_base(0) : nullptr; }
-int64_t RankMemory::bytes() const { return ch_ ? ch_->rank_regions[rank_] * ch_->region_bytes : 0; }
+int64_t RankMemory::bytes() const { return num_regions_ * region_bytes_; }
 int RankMemory::device_type() const { return backend_ ? backend_->device_type() : 1; }
 int RankMemory::device_id() const { return backend_ ? backend_->device_id() : 0; }
 
-// Bring every page to the map: commit what is wanted, release what is not.
-// At attach (first) a failed commit fails the attach; later it is recorded
-// for the leader, whose operation on that page then fails and rolls back.
-Status RankMemory::catch_up(uint32_t gen, bool first) {
-    auto* want = ch_->want();
-    for (int64_t p = 0; p < ch_->num_pages; ++p) {
-        const bool on = want[p].load(std::memory_order_relaxed) != 0;
-        if (on == (have_[p] != 0)) continue;
-        if (first && on) {
-            Status s = backend_->commit(p);
-            if (!s.is_ok()) return Status::make(s.code, "rank " + std::to_string(rank_) + " cannot commit page " +
-                                                            std::to_string(p) + " the space holds: " + s.message);
-            have_[p] = 1;
-            ++commits_;
-        } else {
-            (void)gen;
-            reconcile_page(p);
-        }
-    }
-    return Status::ok();
-}
-
-void RankMemory::reconcile_page(int64_t p) {
-    if (p < 0 || p >= ch_->num_pages) return;
-    const bool on = ch_->want()[p].load(std::memory_order_relaxed) != 0;
-    if (on == (have_[p] != 0)) return;
-    Status s = on ? backend_->commit(p) : backend_->release(p);
-    if (s.is_ok()) {
-        have_[p] = on ? 1 : 0;
-        (on ? commits_ : releases_).fetch_add(1, std::memory_order_relaxed);
-        return;
-    }
-    ++failures_;
+void RankMemory::record_failure(int64_t p, const Status& s) {
+    failures_.fetch_add(1, std::memory_order_relaxed);
     {
         std::lock_guard<std::mutex> g(err_mu_);
         last_error_ = s.message;
@@ -480,7 +507,34 @@ void RankMemory::reconcile_page(int64_t p) {
                          std::memory_order_relaxed);
     slot.fail_page.store(p, std::memory_order_relaxed);
     slot.fail_gen.store(ch_->gen.load(std::memory_order_relaxed), std::memory_order_release);
-    if (!on) dirty_ = true;  // a release that failed is retried at the next wake-up
+}
+
+// Brings page p to the map; false if a page the map wants could not be
+// committed. A release that fails is retried later (dirty_).
+bool RankMemory::reconcile_page(int64_t p) {
+    if (p < 0 || p >= static_cast<int64_t>(have_.size())) return true;
+    const bool on = ch_->want()[p].load(std::memory_order_relaxed) != 0;
+    if (on == (have_[p] != 0)) return true;
+    Status s = on ? backend_->commit(p) : backend_->release(p);
+    if (s.is_ok()) {
+        have_[p] = on ? 1 : 0;
+        (on ? commits_ : releases_).fetch_add(1, std::memory_order_relaxed);
+        return true;
+    }
+    record_failure(p, s);
+    if (!on) dirty_ = true;
+    return !on;
+}
+
+// Every page to the map. True when every page the map wants is mapped,
+// except possibly `change_page` (the current operation's page: its failure
+// is recorded for the leader, which rolls it back). False: a page the map
+// wants is missing, so this rank does not match any generation yet.
+bool RankMemory::full_pass(int64_t change_page) {
+    bool ok = true;
+    for (int64_t p = 0; p < static_cast<int64_t>(have_.size()); ++p)
+        if (!reconcile_page(p) && p != change_page) ok = false;
+    return ok;
 }
 
 void RankMemory::publish_figures() {
@@ -497,31 +551,46 @@ void RankMemory::thread_main() {
         ~Done() { flag.store(true, std::memory_order_release); }
     } done{thread_done_};
     RankSlot& slot = ch_->ranks[rank_];
+    auto retry_at = clock::time_point::min();
     while (!stop_.load(std::memory_order_acquire)) {
         if (ch_->closed.load(std::memory_order_acquire)) {
-            release_all();  // the engine closed the space: so is its need for this memory
-            break;
+            release_all();  // the engine closed the space: it needs none of this memory
+            return;
         }
         const uint32_t g = ch_->gen.load(std::memory_order_acquire);
-        if (g != seen_ || dirty_) {
+        const bool due = dirty_ && clock::now() >= retry_at;
+        if (g != seen_ || due) {
             const uint64_t c = ch_->change.load(std::memory_order_acquire);
-            const bool one = !dirty_ && g == seen_ + 1 && static_cast<uint32_t>(c >> 32) == g;
-            dirty_ = false;
-            if (one) {
-                if ((c & 0xffffffffULL) != 0xffffffffULL) reconcile_page(static_cast<int64_t>(c & 0xffffffffULL));
+            const bool tagged = static_cast<uint32_t>(c >> 32) == g;
+            const int64_t page = tagged && (c & kNoPage) != kNoPage ? static_cast<int64_t>(c & kNoPage) : -1;
+            bool matches;
+            if (!dirty_ && g == seen_ + 1 && tagged) {
+                (void)reconcile_page(page);  // its failure is for the leader to roll back
+                matches = true;
             } else {
-                (void)catch_up(g, false);
+                dirty_ = false;
+                matches = full_pass(page);
             }
-            seen_ = g;
             publish_figures();
-            slot.ack.store(g, std::memory_order_release);
-            futex(&slot.ack, FUTEX_WAKE, INT_MAX, nullptr);
-            continue;
+            if (!matches) {
+                // A page the map wants is missing: no acknowledgement (the
+                // leader sees this rank behind) until a retry maps it.
+                dirty_ = true;
+            } else {
+                seen_ = g;
+                slot.ack.store(g, std::memory_order_release);
+                futex(&slot.ack, FUTEX_WAKE, INT_MAX, nullptr);
+            }
+            if (dirty_) retry_at = clock::now() + seconds(kRetryS);
+            if (g != seen_ && matches) continue;
         }
-        futex_wait_for(&ch_->gen, g, 0.2);  // 0.2 s: notice a leader that died without closing
-        if (ch_->gen.load(std::memory_order_acquire) == g && pid_gone(leader_pid_)) {
+        const double wait = dirty_ ? std::max(0.001, std::min(
+                                         kRetryS, std::chrono::duration<double>(retry_at - clock::now()).count()))
+                                   : 0.2;  // 0.2 s: notice a leader that died without closing
+        futex_wait_for(&ch_->gen, g, wait);
+        if (ch_->gen.load(std::memory_order_acquire) == g && gone(leader_pid_, leader_start_)) {
             release_all();
-            break;
+            return;
         }
     }
 }
@@ -532,16 +601,15 @@ void RankMemory::release_all() {
         if (!have_[p]) continue;
         if (backend_->release(static_cast<int64_t>(p)).is_ok()) {
             have_[p] = 0;
-            ++releases_;
+            releases_.fetch_add(1, std::memory_order_relaxed);
         }
     }
     publish_figures();
 }
 
 bool RankMemory::sync(double timeout_s) {
-    if (!ch_ || closed()) return false;
-    const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
-                                             std::chrono::duration<double>(std::max(0.0, std::min(timeout_s, 1e6))));
+    if (!ch_ || closed_.load(std::memory_order_acquire)) return false;
+    const auto deadline = clock::now() + seconds(std::max(0.0, std::min(timeout_s, 1e6)));
     RankSlot& slot = ch_->ranks[rank_];
     for (;;) {
         const uint32_t a = slot.ack.load(std::memory_order_acquire);
@@ -549,6 +617,7 @@ bool RankMemory::sync(double timeout_s) {
         if (ch_->closed.load(std::memory_order_acquire) ? thread_done_.load(std::memory_order_acquire)
                                                           : reached(a, ch_->gen.load(std::memory_order_acquire)))
             return true;
+        if (thread_done_.load(std::memory_order_acquire)) return true;  // the leader died: nothing to follow
         const auto now = clock::now();
         if (now >= deadline) return false;
         futex_wait_for(&slot.ack, a, std::min(0.05, std::chrono::duration<double>(deadline - now).count()));
@@ -559,6 +628,11 @@ RankStats RankMemory::stats() const {
     RankStats s;
     s.rank = rank_;
     s.device = device_;
+    s.first_region = first_region_;
+    s.num_regions = num_regions_;
+    s.region_bytes = region_bytes_;
+    s.page_bytes = page_bytes_;
+    s.num_pages = static_cast<int64_t>(have_.size());
     s.commits = commits_.load(std::memory_order_relaxed);
     s.releases = releases_.load(std::memory_order_relaxed);
     s.failures = failures_.load(std::memory_order_relaxed);
@@ -568,11 +642,6 @@ RankStats RankMemory::stats() const {
     }
     if (!ch_) return s;
     const RankSlot& slot = ch_->ranks[rank_];
-    s.first_region = ch_->first_region[rank_];
-    s.num_regions = ch_->rank_regions[rank_];
-    s.region_bytes = ch_->region_bytes;
-    s.page_bytes = ch_->page_bytes;
-    s.num_pages = ch_->num_pages;
     s.committed_pages = slot.committed_pages.load(std::memory_order_relaxed);
     s.allocated_bytes = backend_ ? backend_->allocated_bytes() : 0;
     s.generation = slot.ack.load(std::memory_order_acquire);
@@ -581,6 +650,12 @@ RankStats RankMemory::stats() const {
 
 void RankMemory::close() {
     if (closed_.exchange(true)) return;
+    if (static_cast<int32_t>(getpid()) != pid_) {
+        // A forked child's copy: the thread and the memory are the parent's.
+        if (thread_.joinable()) thread_.detach();
+        if (backend_) backend_->abandon();
+        return;
+    }
     stop_.store(true, std::memory_order_release);
     if (thread_.joinable()) {
         if (ch_) futex(&ch_->gen, FUTEX_WAKE, INT_MAX, nullptr);
@@ -589,10 +664,11 @@ void RankMemory::close() {
     if (ch_) {
         release_all();
         int32_t mine = pid_;
+        if (ch_->ranks[rank_].pid.load() == mine) ch_->ranks[rank_].start_time.store(0, std::memory_order_seq_cst);
         ch_->ranks[rank_].pid.compare_exchange_strong(mine, 0);
         futex(&ch_->ranks[rank_].ack, FUTEX_WAKE, INT_MAX, nullptr);
-        munmap(ch_, map_bytes_);
-        ch_ = nullptr;
+        // The channel stays mapped until the destructor: a concurrent
+        // sync() or stats() may still read it.
     }
     if (backend_) backend_->close();
 }

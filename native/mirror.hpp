@@ -27,9 +27,17 @@
 // operation after a rank stops waits up to the timeout; from then on the rank
 // is *behind* and every commit and release fails at once (a shortage; the
 // space keeps a page whose release failed counted, and retries it) until its
-// acknowledgement catches up with the generation. A rank that exited holds
-// nothing and is detached. A rank that attaches late (or again) brings its
-// backend to the whole map before it acknowledges anything.
+// acknowledgement catches up with the generation. A rank that cannot bring
+// its memory to the map (a page it cannot map that is not the current
+// operation's) does not acknowledge at all, so it is behind too, and retries
+// every 0.2 s. A rank whose process exited (a zombie, or its pid reused:
+// slots carry the process start time) holds nothing: it is detached and the
+// operation goes on with the others. A rank that attaches late (or again)
+// brings its backend to the whole map before it acknowledges anything; the
+// leader looks for attached ranks after it publishes, so one attaching
+// meanwhile either is waited for or reads the new map. Handles carry the
+// channel's random nonce (a stale handle whose fd number now names another
+// channel is refused); a forked child's copy of either side is inert.
 // The books: the space counts a page for all ranks (page_commit_bytes =
 // regions of every rank x page bytes); allocated_bytes() sums what the
 // ranks' backends report. A rank stopped in the middle of a release holds
@@ -76,14 +84,17 @@ struct RankStats {
 struct Channel;
 
 // A rank's side: its own backend over its regions, kept equal to the
-// leader's map by a sync thread.
+// leader's map by a sync thread. Everything it needs from the channel's
+// header is copied and checked at attach; later it reads only the map, the
+// generation and its own slot.
 class RankMemory {
 public:
     // Attach to the channel behind /proc/<pid>/fd/<fd> as `rank`, with memory
-    // on `device` ("cpu" or "cuda:N"). Returns nullptr and *status on failure.
-    static std::unique_ptr<RankMemory> attach(int pid, int fd, int rank, const std::string& device,
+    // on `device` ("cpu" or "cuda:N"); `nonce` must be the channel's (a stale
+    // handle whose fd number was reused is refused). nullptr + *status on failure.
+    static std::unique_ptr<RankMemory> attach(int pid, int fd, uint64_t nonce, int rank, const std::string& device,
                                               Status* status);
-    ~RankMemory();
+    ~RankMemory();  // unmaps the channel (close() never does: a concurrent sync() may read it)
     RankMemory(const RankMemory&) = delete;
     RankMemory& operator=(const RankMemory&) = delete;
 
@@ -92,17 +103,24 @@ public:
     int device_type() const;
     int device_id() const;
     RankStats stats() const;
-    // Wait until this rank acknowledged the leader's current generation (or
-    // the leader closed); false on timeout. For tests and start-up.
+    // Wait until this rank matches the leader's current generation (after
+    // the leader closed: until this rank gave its memory back); false on
+    // timeout or once closed. For tests and start-up.
     bool sync(double timeout_s);
-    // Give every page back, stop the thread, leave the slot. Idempotent.
+    // Give every page back, stop the thread, leave the slot. Idempotent. In
+    // a forked child (not the process that attached) it only lets go of its
+    // copy: no release, no slot write, no join.
     void close();
-    bool closed() const { return closed_.load(std::memory_order_acquire); }
+    // Closed here, or the leader closed or died and this rank let go.
+    bool closed() const {
+        return closed_.load(std::memory_order_acquire) || thread_done_.load(std::memory_order_acquire);
+    }
 
 private:
     RankMemory() = default;
-    Status catch_up(uint32_t gen, bool first);
-    void reconcile_page(int64_t p);
+    bool reconcile_page(int64_t p);
+    bool full_pass(int64_t change_page);
+    void record_failure(int64_t p, const Status& s);
     void publish_figures();
     void thread_main();
     void release_all();
@@ -110,13 +128,17 @@ private:
     Channel* ch_ = nullptr;
     size_t map_bytes_ = 0;
     int rank_ = 0;
-    int32_t pid_ = 0;
-    int leader_pid_ = 0;
+    int32_t pid_ = 0;          // this process (a forked child sees another pid)
+    int32_t leader_pid_ = 0;   // from the handle, not the header
+    uint64_t leader_start_ = 0;
+    int64_t first_region_ = 0, num_regions_ = 0, region_bytes_ = 0, page_bytes_ = 0;
     std::string device_;
     std::unique_ptr<Backend> backend_;
-    std::vector<uint8_t> have_;
+    std::vector<uint8_t> have_;  // its size is the page count, fixed at attach
     uint32_t seen_ = 0;
-    bool dirty_ = false;  // a release failed: look at the whole map again at the next wake-up
+    // A page the map wants could not be committed, or a release failed:
+    // look at the whole map again after a pause (never a busy loop).
+    bool dirty_ = false;
     std::atomic<int64_t> commits_{0}, releases_{0}, failures_{0};
     mutable std::mutex err_mu_;
     std::string last_error_;

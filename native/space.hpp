@@ -126,6 +126,7 @@ public:
     int device_id() const { return backend_->device_id(); }
     int share_fd() const { return backend_->share_fd(); }
     int mirror_fd() const { return backend_->mirror_fd(); }
+    uint64_t mirror_nonce() const { return backend_->mirror_nonce(); }
     int eventfd() const { return efd_; }
     const SpaceConfig& config() const { return cfg_; }
     int64_t capacity() const { return table_.capacity(); }

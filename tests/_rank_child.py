@@ -20,8 +20,7 @@ def main() -> None:
     from kvpool import KVPoolError, RankHandle, RankMemory
 
     h = json.loads(sys.argv[1])
-    handle = RankHandle(pid=h["pid"], fd=h["fd"], rank_regions=tuple(h["rank_regions"]),
-                        region_bytes=h["region_bytes"])
+    handle = RankHandle(**{**h, "rank_regions": tuple(h["rank_regions"])})
     rank, device = int(sys.argv[2]), sys.argv[3]
 
     def reply(**kw: Any) -> None:

@@ -370,13 +370,13 @@ def _mirror_wanted(device: str, world: int) -> bool:
     return forced == "1" or (device == "cuda" and world > 1)
 
 
-# This process's ranks of mirrored spaces, by (leader pid, channel fd, rank):
+# This process's ranks of mirrored spaces, by (leader pid, channel nonce, rank):
 # held for the worker's life (the views read their memory).
 _ranks: dict[tuple[int, int, int], RankMemory] = {}
 
 
 def _rank_memory(handle: dict[str, Any], device: Any) -> RankMemory:
-    key = (int(handle["pid"]), int(handle["fd"]), int(handle["rank"]))
+    key = (int(handle["pid"]), int(handle["mirror"]["nonce"]), int(handle["rank"]))
     mem = _ranks.get(key)
     if mem is None or mem.closed:
         dev = torch.device(device)
