@@ -186,6 +186,25 @@ def test_a_rank_that_cannot_commit_rolls_the_others_back_and_the_alloc_is_a_shor
     space.close()
 
 
+def test_a_rank_that_cannot_map_what_the_space_holds_is_refused_at_attach_and_leaves_its_slot_free(
+        fake_cuda_driver: str | None, ranks: list[Rank]) -> None:
+    if fake_cuda_driver is None:
+        pytest.skip("no C compiler to build the fake driver")
+    space = mirrored("cuda")
+    held = space.alloc(8)  # 2 pages, before any rank exists
+    small = Rank(space.rank_handle(), 1, "cuda:1", {"FAKE_CUDA_TOTAL": str(RANK_PAGE)})  # room for 1 page
+    ranks.append(small)
+    assert small.hello["error"] == "PoolExhausted" and "cannot map the pages the space holds" in small.hello["message"]
+    assert small.proc.wait() == 0
+    assert "(0 attached)" in space.stats().backend
+    (r1,) = [Rank(space.rank_handle(), 1, "cuda:1")]  # the slot is free again
+    ranks.append(r1)
+    assert r1.hello["committed_pages"] == 2
+    space.free(held)
+    assert r1.call("stats")["committed_pages"] == 0 and r1.call("violations")["violations"] == 0
+    space.close()
+
+
 def test_a_stopped_rank_costs_shortages_not_a_hang_and_catches_up_when_it_resumes(
         device: str, ranks: list[Rank]) -> None:
     space = mirrored(device, rank_timeout_s=0.5)
