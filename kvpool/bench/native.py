@@ -43,6 +43,9 @@ Figures
    freed (every page committed and partially used), then ``alloc(16)`` +
    ``free`` timed; ratio to the 1K space. The 1M space commits ~4 GiB while
    it exists.
+
+4. **A mirrored space** (``mirror``, :mod:`.mirror`): one page's commit and
+   release through 2 rank processes against the same space direct.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._lib import BIG_RESERVE, Goal, KiB, MiB, fmt, geo_info, machine_line, no_page_syscalls, ratio, si, verdict
+from .mirror import bench_mirror
+from .mirror import format_lines as mirror_lines
 from ._timing import (
     SyncBody,
     ainterleaved_ns,
@@ -372,6 +377,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     res["roundtrip"] = bench_roundtrip(s)
     res["page"] = bench_page(s)
     res["scale"] = bench_scale(s)
+    res["mirror"] = bench_mirror(s.page_iters, s.page_repeats)
     return res
 
 
@@ -437,6 +443,8 @@ def format_report(res: Mapping[str, Any]) -> str:
     for c in sc["cases"].values():
         lines.append(f"   {si(c['num_blocks']):>8}{c['num_pages']:>8}{c['partial_pages']:>9}"
                      f"{c['committed_bytes'] / MiB:>9.0f} MiB{c['median_ns']:>10.0f}{c['ratio_to_smallest']:>12.2f}")
+    if "mirror" in res:
+        lines += mirror_lines(res["mirror"])
     return "\n".join(lines)
 
 
