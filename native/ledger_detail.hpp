@@ -1,7 +1,7 @@
 // Internals the ledger's source files share (ledger.cpp: the segment, its
 // snapshot and claims; ledger_tenants.cpp: who a tenant is, joining and
 // leaving; ledger_settings.cpp: the operators' settings). Not for other
-// layers: they use ledger.hpp (except tenant_dead, which mirror.cpp shares).
+// layers: they use ledger.hpp (except tenant_dead, which the mirror_*.cpp share).
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -22,7 +22,7 @@ std::string sanitized_name(const char* raw, int slot);
 std::pair<char, uint64_t> process_stat(int32_t pid);
 // A process of this PID namespace that is gone: no such pid, a zombie (its
 // memory is already freed), or (start_time != 0) the pid reused by a process
-// that started later. Also how a mirrored space judges its ranks (mirror.cpp).
+// that started later. Also how a mirrored space judges its ranks (mirror_channel.hpp).
 bool tenant_dead(int32_t pid, uint64_t start_time);
 
 }  // namespace kvpool::ledger_detail
