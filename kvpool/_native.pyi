@@ -415,6 +415,8 @@ def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks
     Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None). With rank_regions, a mirrored space whose ranks' processes hold the memory (RankMemory).
     """
 
+MAX_RANKS: int = 64
+
 class RankStats:
     """One rank of a mirrored space, as its own process sees it."""
 

@@ -32,7 +32,8 @@ how the protocol is tested against real processes without a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from . import _core
 from . import _validate as V
@@ -41,7 +42,9 @@ from .errors import PoolClosed
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["RankHandle", "RankMemory"]
+__all__ = ["MAX_RANKS", "RankHandle", "RankMemory"]
+
+MAX_RANKS: int = _core.native.MAX_RANKS  # ranks a mirrored space can have (the channel's slots)
 
 RankStats = _core.native.RankStats  # the bound type: what a rank's process sees of its memory
 
@@ -61,6 +64,12 @@ class RankHandle:
     @property
     def num_ranks(self) -> int:
         return len(self.rank_regions)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RankHandle:
+        """The handle back from ``dataclasses.asdict`` of one (JSON, vLLM's config)."""
+        return cls(pid=d["pid"], fd=d["fd"], nonce=d["nonce"], rank_regions=tuple(d["rank_regions"]),
+                   region_bytes=d["region_bytes"])
 
 
 class RankMemory:

@@ -24,7 +24,7 @@ from ._space_stats import BudgetStats, PageInfo, PageStateName, SpaceStats
 from .errors import BackendError, GeometryError, InvalidBlocks, PoolClosed
 from .geometry import Geometry
 from .pool import Pool
-from .ranks import RankHandle
+from .ranks import MAX_RANKS, RankHandle
 
 __all__ = ["BudgetStats", "KVSpace", "PageInfo", "SharedMemory", "SpaceStats", "cuda_unavailable_reason",
            "map_shared"]
@@ -215,8 +215,8 @@ class KVSpace:
         if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
             raise TypeError(f"ranks must be a sequence of region counts, got {ranks!r}")
         counts = tuple(V.integer(f"ranks[{i}]", r, lo=1) for i, r in enumerate(ranks))
-        if not 1 <= len(counts) <= 64:
-            raise ValueError(f"ranks must name 1 to 64 ranks, got {len(counts)}")
+        if not 1 <= len(counts) <= MAX_RANKS:
+            raise ValueError(f"ranks must name 1 to {MAX_RANKS} ranks, got {len(counts)}")
         if sum(counts) != geometry.num_regions:
             raise ValueError(f"ranks {list(counts)} add up to {sum(counts)} regions; the geometry has "
                              f"{geometry.num_regions}")

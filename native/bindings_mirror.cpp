@@ -17,6 +17,7 @@ using kvpool::RankStats;
 using kvpool::Status;
 
 void kvpool::bind::bind_mirror(nb::module_& m) {
+    m.attr("MAX_RANKS") = kvpool::kMaxRanks;
     nb::class_<RankStats>(m, "RankStats", "One rank of a mirrored space, as its own process sees it.")
         .def_ro("rank", &RankStats::rank)
         .def_ro("first_region", &RankStats::first_region)

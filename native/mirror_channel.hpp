@@ -14,6 +14,8 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
+#include <string>
 #include <random>
 
 #include "ledger.hpp"
@@ -54,6 +56,13 @@ inline bool reached(uint32_t a, uint32_t g) { return static_cast<int32_t>(a - g)
 
 inline clock::duration seconds(double s) {
     return std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(s));
+}
+
+// Seconds as a reader writes them ("5 s", "0.5 s"), for messages.
+inline std::string seconds_text(double s) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%g s", s);
+    return buf;
 }
 
 inline uint64_t random_nonce() {

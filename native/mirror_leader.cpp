@@ -30,7 +30,7 @@ public:
             return Status::make(Code::Invalid, "invalid mirrored space: " + std::to_string(n_) +
                                                    " ranks (1.." + std::to_string(kMaxRanks) +
                                                    ", each with at least one region), timeout " +
-                                                   std::to_string(cfg_.timeout_s) + " s (0 < timeout <= 3600)");
+                                                   seconds_text(cfg_.timeout_s) + " (0 < timeout <= 3600)");
         num_pages_ = cfg_.region_bytes / cfg_.page_bytes;
         bytes_ = Channel::bytes_for(num_pages_);
         nonce_ = random_nonce();
@@ -177,7 +177,7 @@ private:
                 behind_[r] = false;
             } else {
                 return fail_locked(Code::Shortage, what + who(r, pid) + " is behind: it has not answered for " +
-                                                       std::to_string(cfg_.timeout_s) + " s or more");
+                                                       seconds_text(cfg_.timeout_s) + " or more");
             }
         }
         const uint32_t gen = publish_locked(page, on);
@@ -243,7 +243,7 @@ private:
                     behind_[r] = true;
                     if (result.is_ok())
                         result = Status::make(Code::Shortage, what + who(r, pid) + " did not answer within " +
-                                                                  std::to_string(cfg_.timeout_s) + " s");
+                                                                  seconds_text(cfg_.timeout_s));
                     break;
                 }
                 const double left = std::chrono::duration<double>(deadline - now).count();

@@ -19,8 +19,7 @@ from typing import Any
 def main() -> None:
     from kvpool import KVPoolError, RankHandle, RankMemory
 
-    h = json.loads(sys.argv[1])
-    handle = RankHandle(**{**h, "rank_regions": tuple(h["rank_regions"])})
+    handle = RankHandle.from_dict(json.loads(sys.argv[1]))
     rank, device = int(sys.argv[2]), sys.argv[3]
 
     def reply(**kw: Any) -> None:

@@ -100,9 +100,8 @@ def start(ranks: list[Rank], space: KVSpace, device: str, **env: str) -> list[Ra
 
 def stop_process(pid: int) -> None:
     """SIGSTOP ``pid`` and wait until every thread of it is stopped (kill()
-    returns before the stop lands)."""
+    returns before the stop lands); the test's timeout is the only deadline."""
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 60
     while True:
         states = []
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -110,8 +109,7 @@ def stop_process(pid: int) -> None:
                 states.append(f.read().rpartition(")")[2].split()[0])
         if all(s in ("T", "t") for s in states):
             return
-        assert time.monotonic() < deadline, f"pid {pid} did not stop: {states}"
-        time.sleep(0.01)
+        time.sleep(0.01)  # polls the state: no amount of progress is assumed
 
 
 def mirrored(device: str, **kw: Any) -> KVSpace:

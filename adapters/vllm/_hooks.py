@@ -381,9 +381,7 @@ def _rank_memory(handle: dict[str, Any], device: Any) -> RankMemory:
     if mem is None or mem.closed:
         dev = torch.device(device)
         where = "cpu" if dev.type == "cpu" else f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
-        mem = _ranks[key] = RankMemory(RankHandle(**{**handle["mirror"],
-                                                    "rank_regions": tuple(handle["mirror"]["rank_regions"])}),
-                                       key[2], device=where)
+        mem = _ranks[key] = RankMemory(RankHandle.from_dict(handle["mirror"]), key[2], device=where)
     return mem
 
 

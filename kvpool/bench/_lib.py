@@ -279,3 +279,17 @@ async def cross_process_grant_us(m: KVCacheManager, child: subprocess.Popen[str]
     m.trim()  # the granted page goes back; the child refills it next round
     return (t_grant - t_free) / 1e3
 
+
+def end_child(proc: subprocess.Popen[str], timeout: float) -> None:
+    """End a helper process the bench drove through its pipes: close its stdin
+    (its cue to leave), wait up to ``timeout`` s, kill it if it is still there,
+    close its stdout."""
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()

@@ -188,3 +188,18 @@ def percentiles(values: Sequence[float], raw: bool = True) -> dict[str, Any]:
     if raw:
         out["raw"] = list(values)
     return out
+
+
+def time_pair(commit: Any, release: Any, iters: int) -> tuple[float, float]:
+    """Mean ns of ``commit()`` and of ``release(its result)`` over ``iters`` pairs."""
+    commit_ns = release_ns = 0
+    clock = time.perf_counter_ns
+    for _ in range(iters):
+        t0 = clock()
+        x = commit()
+        t1 = clock()
+        release(x)
+        t2 = clock()
+        commit_ns += t1 - t0
+        release_ns += t2 - t1
+    return commit_ns / iters, release_ns / iters

@@ -19,8 +19,8 @@ import subprocess
 import sys
 from typing import Any
 
-from ._lib import KiB, geo_info
-from ._timing import no_gc
+from ._lib import KiB, end_child, geo_info
+from ._timing import no_gc, time_pair
 
 
 def bench_mirror(page_iters: int, page_repeats: int) -> dict[str, Any]:
@@ -41,13 +41,11 @@ def bench_mirror(page_iters: int, page_repeats: int) -> dict[str, Any]:
             line = p.stdout.readline().strip()
             if line != "ready":
                 raise RuntimeError(f"a rank process did not attach: {line!r} (exit {p.poll()})")
-        from .native import _time_pair
-
         before = mirrored.stats()
         with no_gc():
             for _ in range(page_repeats):  # interleaved: drift hits both alike
-                dc, dr = _time_pair(lambda: direct.alloc(1), direct.free, page_iters)
-                mc, mr = _time_pair(lambda: mirrored.alloc(1), mirrored.free, page_iters)
+                dc, dr = time_pair(lambda: direct.alloc(1), direct.free, page_iters)
+                mc, mr = time_pair(lambda: mirrored.alloc(1), mirrored.free, page_iters)
                 for k, v in (("direct_commit", dc), ("direct_release", dr), ("mirrored_commit", mc),
                              ("mirrored_release", mr)):
                     runs[k].append(v)
@@ -58,16 +56,7 @@ def bench_mirror(page_iters: int, page_repeats: int) -> dict[str, Any]:
             raise RuntimeError("the mirrored space did not commit and release one page per iteration")
     finally:
         for p in ranks:
-            if p.stdin is not None:
-                p.stdin.close()
-        for p in ranks:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
+            end_child(p, timeout=60)
         mirrored.close()
         direct.close()
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -94,8 +83,7 @@ def _rank_main(handle_json: str, rank: int) -> None:
     """A rank's process: attach, say ready, hold the memory until stdin closes."""
     from kvpool import RankHandle, RankMemory
 
-    h = json.loads(handle_json)
-    with RankMemory(RankHandle(**{**h, "rank_regions": tuple(h["rank_regions"])}), rank, device="cpu"):
+    with RankMemory(RankHandle.from_dict(json.loads(handle_json)), rank, device="cpu"):
         print("ready", flush=True)
         sys.stdin.read()
 

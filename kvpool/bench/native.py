@@ -73,6 +73,7 @@ from ._timing import (
     interleaved_ns,
     no_gc,
     roundtrip_loop,
+    time_pair,
 )
 
 TITLE = "native core and its Python faces"
@@ -268,21 +269,6 @@ class RawMemfd:
         os.close(self.fd)
 
 
-def _time_pair(commit: Any, release: Any, iters: int) -> tuple[float, float]:
-    """Mean ns of ``commit()`` and of ``release(its result)`` over ``iters`` pairs."""
-    commit_ns = release_ns = 0
-    clock = time.perf_counter_ns
-    for _ in range(iters):
-        t0 = clock()
-        x = commit()
-        t1 = clock()
-        release(x)
-        t2 = clock()
-        commit_ns += t1 - t0
-        release_ns += t2 - t1
-    return commit_ns / iters, release_ns / iters
-
-
 def bench_page(s: Settings) -> dict[str, Any]:
     from kvpool import Geometry, KVSpace
 
@@ -310,10 +296,10 @@ def bench_page(s: Settings) -> dict[str, Any]:
             before = space.stats()
             with no_gc():
                 for _ in range(s.page_repeats):  # interleaved: drift hits both alike
-                    rc, rr = _time_pair(lambda: raw.call(0, offsets),
+                    rc, rr = time_pair(lambda: raw.call(0, offsets),
                                         lambda _: raw.call(FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offsets),
                                         s.page_iters)
-                    kc, kr = _time_pair(lambda: space.alloc(1), space.free, s.page_iters)
+                    kc, kr = time_pair(lambda: space.alloc(1), space.free, s.page_iters)
                     for k, v in (("raw_commit", rc), ("raw_release", rr), ("kvpool_commit", kc),
                                  ("kvpool_release", kr)):
                         runs[k].append(v)

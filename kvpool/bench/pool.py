@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._lib import cross_process_grant_us, machine_line, ratio
+from ._lib import cross_process_grant_us, end_child, machine_line, ratio
 from ._timing import percentiles
 
 if TYPE_CHECKING:
@@ -114,15 +114,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             cross += asyncio.run(cross_process(pool, child, rounds // 2))
             local += asyncio.run(in_process(pool, rounds // 2))
     finally:
-        if child.stdin is not None:
-            child.stdin.close()
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-        if child.stdout is not None:
-            child.stdout.close()
+        end_child(child, timeout=30)
         Pool.remove(name)
     res: dict[str, Any] = {"rounds": rounds, "cross_process_us": percentiles(cross),
                            "in_process_us": percentiles(local)}
