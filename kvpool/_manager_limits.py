@@ -27,6 +27,7 @@ class _LimitsMixin:
     _closed: bool
     _log: Any  # a structlog bound logger (tracing.get_logger)
     _limit_state: LimitState
+    _hot: Any  # the native hot path (kvpool._native.ManagerHotPath)
     _lending: bool
     _guarantee: int
 
@@ -122,6 +123,7 @@ class _LimitsMixin:
             lim, rev = self._limit_setting()
             self._log.info(event, limit_bytes=lim, revision=rev, committed_bytes=s.committed_bytes)
         self._limit_state = new
+        self._hot.deferred = new is LimitState.DEFERRED  # the hot path's free then takes the checked one
         return new
 
     @property

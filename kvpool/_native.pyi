@@ -1,7 +1,8 @@
 """kvpool native core (private: use the kvpool package)"""
 
-from collections.abc import Sequence
-from typing import Annotated, Any
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, NoReturn
+import weakref
 
 import numpy
 import numpy.typing
@@ -480,3 +481,54 @@ def attach_rank(pid: int, fd: int, nonce: int, rank: int, device: str) -> tuple[
     """
     Attach to a mirrored space's channel as `rank`: (code, message, RankMemory | None).
     """
+
+class SpaceHotPath:
+    """
+    KVSpace.alloc / free as one native call each (kvpool.space binds them on the instance).
+    """
+
+    def __init__(self, space: Space, owner: weakref.ReferenceType[Any], checked_alloc: Callable[..., Any], checked_free: Callable[..., Any], alloc_refused: Callable[[Failure, int], NoReturn], free_refused: Callable[[Failure], NoReturn]) -> None: ...
+
+    def alloc(self, n: int, *, promised: bool = False) -> numpy.typing.NDArray[numpy.int64]:
+        """KVSpace.alloc: n block ids, or the kvpool error."""
+
+    def free(self, blocks: Any) -> None:
+        """KVSpace.free: every id or none, or the kvpool error."""
+
+class ManagerHotPath:
+    """
+    KVCacheManager.alloc_nowait / free as one native call each while nothing is unusual (kvpool.manager binds them on the instance).
+    """
+
+    def __init__(self, space: Space, owner: weakref.ReferenceType[Any], checked_alloc: Callable[..., Any], checked_free: Callable[..., Any], alloc_refused: Callable[[Any, Failure, int], NoReturn], try_refused: Callable[[Any, Failure, int], NoReturn], free_refused: Callable[[Failure], NoReturn], waiters: list[Any], trace_state: dict[str, Any], debug_level: int, usable: int) -> None: ...
+
+    def alloc_nowait(self, n: int, *, priority: int = 0) -> numpy.typing.NDArray[numpy.int64]:
+        """KVCacheManager.alloc_nowait: n block ids, or the kvpool error."""
+
+    def try_alloc(self, n: Any) -> numpy.typing.NDArray[numpy.int64] | Failure | None:
+        """
+        await alloc's first try: ids, a Failure (a shortage: queue) or None (take the checked path).
+        """
+
+    def free(self, blocks: Any) -> None:
+        """KVCacheManager.free."""
+
+    @property
+    def closed(self) -> bool:
+        """The manager is closed: every call takes the checked path."""
+
+    @closed.setter
+    def closed(self, arg: bool, /) -> None: ...
+
+    @property
+    def deferred(self) -> bool:
+        """
+        A lowered limit waits to be applied: every free takes the checked path (it re-judges it).
+        """
+
+    @deferred.setter
+    def deferred(self, arg: bool, /) -> None: ...
+
+    @property
+    def at_once(self) -> int:
+        """Allocs this face granted."""

@@ -18,9 +18,12 @@ Threading. A manager belongs to one event loop; call it from that loop's
 thread (engines on other threads use ``kvpool.adapters.blocking``).
 
 Hot path. ``alloc_nowait``, ``free`` and an ``alloc`` granted at once make
-one native call each and nothing else: the native core checks ``n`` and the
-ids itself, and the Python-side checks run only for arguments that are not
-plain ints / int64 arrays, or when the request must queue. An ``alloc``
+one native call each and nothing else: an instance's ``alloc_nowait`` and
+``free`` are native methods (``kvpool._native.ManagerHotPath``) that run no
+Python frame; they check ``n`` and the ids themselves and hand arguments
+that are not plain ints / int64 arrays or lists, and every unusual state
+(someone queued, closed, a deferred limit, DEBUG tracing), to the class's
+methods below, the checked path. An ``alloc``
 granted at once returns without a schedule point (like ``asyncio.Lock``
 acquired when free): no cancellation can land between the grant and the
 return, so none can lose the blocks; a cancellation already requested is
@@ -34,8 +37,10 @@ import itertools
 import math
 import os
 import time
+import weakref
 from collections.abc import Iterable, Sequence, Sized
 from types import TracebackType
+from typing import NoReturn
 
 import anyio
 import anyio.lowlevel
@@ -51,7 +56,7 @@ from .geometry import Geometry
 from .pool import Pool, default_pool_name
 from ._manager_limits import _LimitsMixin
 from ._manager_types import LimitState, ManagerStats, Reservation
-from .space import BlockIds, KVSpace, PageInfo, alloc_failed
+from .space import BlockIds, KVSpace, PageInfo, alloc_failed, free_refused
 
 __all__ = ["Blocks", "KVCacheManager", "LimitState", "ManagerStats", "Reservation"]
 
@@ -59,7 +64,6 @@ Blocks = BlockIds
 _EMPTY: BlockIds = np.empty(0, dtype=np.int64)
 _names = itertools.count(1000)
 _ndarray = np.ndarray
-_core_code_shortage = _core.CODE_SHORTAGE
 _core_code_unsatisfiable = _core.CODE_UNSATISFIABLE
 _trace = tracing.state  # read on the hot path: per-request events only when DEBUG is on
 _DEBUG = tracing.DEBUG
@@ -118,6 +122,21 @@ class KVCacheManager(_LimitsMixin):
         self._native = self.space._space  # the hot path calls it directly (one call per alloc/free)
         self._queue = WaitQueue()
         self._priorities = self._queue.priorities  # non-empty while anyone waits (read on the hot path)
+        # The hot path (issue 12): alloc_nowait and free bound on the instance,
+        # one native call each with no Python frame while nothing is unusual
+        # (nobody queued, open, no limit waiting to be applied, no DEBUG
+        # tracing: the face reads the queue and the trace level itself and is
+        # told of the rest); otherwise, and for any argument but a plain int /
+        # int64 array or list, the class's methods below (the checked path).
+        self._hot = _core.native.ManagerHotPath(
+            self._native, weakref.ref(self), KVCacheManager.alloc_nowait, KVCacheManager.free,
+            KVCacheManager._alloc_refused, KVCacheManager._try_refused, free_refused, self._priorities, _trace, _DEBUG, self._usable)
+        # (A subclass that overrides one of them keeps its own.)
+        if type(self).alloc_nowait is KVCacheManager.alloc_nowait:
+            self.alloc_nowait = self._hot.alloc_nowait  # type: ignore[method-assign]
+        if type(self).free is KVCacheManager.free:
+            self.free = self._hot.free  # type: ignore[method-assign]
+        self._try_alloc = self._hot.try_alloc  # await alloc's first try, bound once
         self._closed = False
         self._watcher: Waiter | None = None
         self._watch_scope: anyio.CancelScope | None = None
@@ -127,7 +146,7 @@ class KVCacheManager(_LimitsMixin):
         self._lending = False
         self._guarantee = 0
         self._counts = {"after_wait": 0, "timeouts": 0, "cancellations": 0, "shortages": 0}
-        self._at_once = 0  # an attribute, not a dict entry: bumped on the hot path
+        self._at_once = 0  # granted at once by the checked path and await alloc (the hot path counts its own)
         self._log = tracing.get_logger(pool=self.pool, tenant=self.name)
         self._refresh_limit_state(log=False)
         self._refresh_budget()
@@ -184,14 +203,24 @@ class KVCacheManager(_LimitsMixin):
             raise PoolExhausted(n, 0, f"{len(self._queue)} earlier waiters are queued")
         r = self._native.alloc(n)
         if not isinstance(r, _ndarray):
-            self._counts["shortages"] += 1
-            self._log.info("alloc.shortage", requested=n, available=r.available, waiting=0)
-            alloc_failed(r, n)
+            self._alloc_refused(r, n)
         self._at_once += 1
         if _trace["level"] <= _DEBUG:
             self._trace_pages()
             self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
         return r
+
+    def _alloc_refused(self, r: _core.native.Failure, n: int) -> NoReturn:
+        """An ``alloc_nowait`` the native core refused: counted, traced, raised."""
+        self._counts["shortages"] += 1
+        self._log.info("alloc.shortage", requested=n, available=r.available, waiting=0)
+        alloc_failed(r, n)
+
+    def _try_refused(self, r: _core.native.Failure, n: int) -> NoReturn:
+        """An ``await alloc`` refused at once for more than a shortage: raised (admission counted)."""
+        if r.code == _core_code_unsatisfiable:
+            self._counts["shortages"] += 1  # admission: never queued
+        alloc_failed(r, n)
 
     async def alloc(self, n: int, *, timeout: float | None = None, priority: int = 0) -> BlockIds:
         """Wait until n blocks can be granted, then return their ids.
@@ -202,22 +231,18 @@ class KVCacheManager(_LimitsMixin):
         """
         # Granted at once: one native call and no schedule point between the
         # grant and the return (module docstring), so no cancellation of any
-        # library can lose the ids (issue 10, D1).
-        if (type(n) is int and 0 < n <= self._usable and priority == 0 and timeout is None
-                and not self._closed and not self._priorities):
-            r = self._native.alloc(n)
-            if isinstance(r, _ndarray):
-                self._at_once += 1
-                if _trace["level"] <= _DEBUG:
-                    self._trace_pages()
-                    self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
-                return r
-            if r.code == _core_code_unsatisfiable:
-                self._counts["shortages"] += 1
-                alloc_failed(r, n)  # admission: never queued
-            if r.code != _core_code_shortage:
-                alloc_failed(r, n)
-        else:
+        # library can lose the ids (issue 10, D1). The hot path's try_alloc
+        # answers ids, a shortage (a Failure: queue) or None (anything
+        # unusual: the checked path below); any other refusal it raises.
+        r = self._try_alloc(n) if timeout is None and priority == 0 else None
+        if r.__class__ is _ndarray:
+            return r
+        return await self._alloc_checked(n, timeout, priority, r)
+
+    async def _alloc_checked(self, n: int, timeout: float | None, priority: int,
+                             r: _core.native.Failure | None) -> BlockIds:
+        """``alloc`` past its first try: ``r`` is a shortage (queue) or None (check everything first)."""
+        if r is None:
             n = self._validate(n, priority)
             if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                         or math.isnan(timeout)):
@@ -464,7 +489,7 @@ class KVCacheManager(_LimitsMixin):
             waiting_blocks=self._queue.waiting_blocks, committed_bytes=s.committed_bytes,
             limit_bytes=limit_bytes, limit_revision=limit_revision, limit_state=self._limit_state,
             guarantee_bytes=s.budget.guarantee_bytes, borrowed_bytes=s.budget.borrowed_bytes,
-            lending=s.budget.lending, granted_at_once=self._at_once, granted_after_wait=c["after_wait"], timeouts=c["timeouts"],
+            lending=s.budget.lending, granted_at_once=self._at_once + self._hot.at_once, granted_after_wait=c["after_wait"], timeouts=c["timeouts"],
             cancellations=c["cancellations"], shortages=c["shortages"], space=s,
         )
 
@@ -497,6 +522,7 @@ class KVCacheManager(_LimitsMixin):
             await anyio.lowlevel.checkpoint()
             return
         self._closed = True
+        self._hot.closed = True
         err = PoolClosed(f"manager {self.name!r} was closed")
         for w in self._queue.drain():
             w.state, w.error = WaiterState.GONE, err

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NoReturn, cast
@@ -94,6 +95,11 @@ def alloc_failed(f: _core.native.Failure, n: int) -> NoReturn:
     if f.code == _core.CODE_INVALID:
         V.integer("n", n)  # a negative n: the checked path's ValueError
     _core.raise_failure(f, requested=n)
+
+
+def free_refused(f: _core.native.Failure) -> NoReturn:
+    """Raise for a refused native free (KVSpace and the manager's hot path share it)."""
+    _core.raise_failure(f, ids=True)
 
 
 class KVSpace:
@@ -204,6 +210,17 @@ class KVSpace:
             # A shortage here is the null block's page not fitting: 1 block asked.
             _core.raise_status(code, f"cannot create KV space on {device}: {msg}", requested=1)
         self._space = cast(_core.native.Space, space)
+        # The hot path (issue 12): alloc and free bound on the instance, one
+        # native call each with no Python frame. They take a plain int n and
+        # ids as an int64 array or a list of ints themselves and hand anything
+        # else to the class's alloc / free below (the checked path).
+        # (A subclass that overrides one of them keeps its own.)
+        hot = _core.native.SpaceHotPath(self._space, weakref.ref(self), KVSpace.alloc, KVSpace.free,
+                                        alloc_failed, free_refused)
+        if type(self).alloc is KVSpace.alloc:
+            self.alloc = hot.alloc  # type: ignore[method-assign]
+        if type(self).free is KVSpace.free:
+            self.free = hot.free  # type: ignore[method-assign]
         self._regions: list[torch.Tensor] | None = None
         self.ranks = rank_regions
 
@@ -246,9 +263,9 @@ class KVSpace:
         return lo, hi
 
     # -- allocation ---------------------------------------------------------
-    # The hot path is one native call each way: the native core validates n
-    # and the ids itself, and a plain int / canonical int64 array skips every
-    # Python-side check (anything else takes the checked path, same errors).
+    # An instance's alloc and free are the native hot path (bound in
+    # __init__); these methods are what it falls back to for any other
+    # argument, and what the docs describe: the behaviour is the same.
     def alloc(self, n: int, *, promised: bool = False) -> BlockIds:
         """Allocate ``n`` blocks, all or nothing.
 

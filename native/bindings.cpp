@@ -1,5 +1,8 @@
 // The only files that know about Python (this one, which defines the module,
-// and bindings_space.cpp). The native core never calls back into Python.
+// bindings_space.cpp, bindings_hot.cpp and bindings_mirror.cpp). The native
+// core never calls back into Python; only the hot path's faces
+// (bindings_hot.cpp) call their owner's Python methods, on the caller's
+// thread with the GIL held, for what is not their common case.
 // The colder calls answer (code, ...) tuples; kvpool/_core.py turns codes
 // into the kvpool.errors hierarchy.
 #include <nanobind/nanobind.h>
@@ -202,4 +205,5 @@ NB_MODULE(_native, m) {
 
     kvpool::bind::bind_space(m);
     kvpool::bind::bind_mirror(m);
+    kvpool::bind::bind_hot_path(m);
 }

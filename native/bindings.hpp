@@ -7,6 +7,12 @@
 #include <nanobind/ndarray.h>
 
 #include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvpool {
+class Space;
+}
 
 namespace kvpool::bind {
 
@@ -20,9 +26,30 @@ inline IdArray new_id_array(size_t n, int64_t** data) {
     return IdArray(buf, {n}, owner);
 }
 
+// A failed alloc or free, as Python sees it (kvpool/_core.raise_failure).
+struct Failure {
+    int code = 0;
+    std::string message;
+    int64_t available = 0;   // blocks available after the failed call
+    int64_t max_blocks = 0;  // an Unsatisfiable alloc: the most this tenant can ever hold
+    std::vector<int64_t> bad_ids;  // a refused free: the offending ids
+};
+
+// The hot path as every face runs it (bindings_space.cpp). alloc_ids: n ids
+// (an int64 numpy array) or a Failure; free_ids: the blocks available after
+// it (an int) or a Failure; id_buffer: the ids of a free (a canonical int64
+// array read in place, or a list of ints copied into scratch), TypeError for
+// anything else.
+nanobind::object alloc_ids(Space& s, int64_t n, bool promised);
+nanobind::object free_ids(Space& s, const int64_t* data, int64_t n);
+const int64_t* id_buffer(nanobind::handle ids, int64_t* n, std::vector<int64_t>& scratch);
+
 // Failure, Space and create_space (bindings_space.cpp); needs Ledger bound first.
 void bind_space(nanobind::module_& m);
 // RankStats, RankMemory and attach_rank (bindings_mirror.cpp).
 void bind_mirror(nanobind::module_& m);
+// SpaceHotPath and ManagerHotPath (bindings_hot.cpp): KVSpace's and
+// KVCacheManager's alloc / free as one native call each; needs Space bound first.
+void bind_hot_path(nanobind::module_& m);
 
 }  // namespace kvpool::bind

@@ -37,19 +37,14 @@ using kvpool::Space;
 using kvpool::Status;
 using kvpool::bind::IdArray;
 using kvpool::bind::new_id_array;
+using kvpool::bind::Failure;
+using kvpool::bind::alloc_ids;
+using kvpool::bind::free_ids;
+using kvpool::bind::id_buffer;
 
 namespace {
 
 using IdInput = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-
-// A failed alloc or free, as Python sees it (kvpool/_core.raise_failure).
-struct Failure {
-    int code = 0;
-    std::string message;
-    int64_t available = 0;   // blocks available after the failed call
-    int64_t max_blocks = 0;  // an Unsatisfiable alloc: the most this tenant can ever hold
-    std::vector<int64_t> bad_ids;  // a refused free: the offending ids
-};
 
 // A fresh int64 array of n elements (numpy's C API: no Python-level call).
 nb::object new_int64_array(int64_t n, int64_t** data) {
@@ -59,6 +54,10 @@ nb::object new_int64_array(int64_t n, int64_t** data) {
     *data = static_cast<int64_t*>(PyArray_DATA(reinterpret_cast<PyArrayObject*>(a)));
     return nb::steal(a);
 }
+
+}  // namespace
+
+namespace kvpool::bind {
 
 // The ids of a free: a 1-D, C-contiguous, aligned, native-order int64 numpy
 // array, read in place, or a list of Python ints (the vLLM plugin's ids),
@@ -93,6 +92,10 @@ const int64_t* id_buffer(nb::handle ids, int64_t* n, std::vector<int64_t>& scrat
     throw nb::type_error("free: ids must be a 1-D C-contiguous int64 numpy array or a list of ints");
 }
 
+}  // namespace kvpool::bind
+
+namespace {
+
 // A refused alloc as Python sees it (an Unsatisfiable one names the most
 // this tenant can ever hold).
 nb::object failed_alloc(Space& s, Status st, int64_t available) {
@@ -124,6 +127,10 @@ const int64_t* attr_ids(nb::handle items, nb::handle attr, int64_t* n, std::vect
     *n = static_cast<int64_t>(len);
     return scratch.data();
 }
+
+}  // namespace
+
+namespace kvpool::bind {
 
 // Space::free as the binding runs it (ids already read): non-blocking with
 // the GIL held, then (if the core would block) again without it.
@@ -169,6 +176,12 @@ nb::object alloc_ids(Space& s, int64_t n, bool promised) {
     if (st.is_ok()) return ids;
     return failed_alloc(s, std::move(st), available);
 }
+
+}  // namespace kvpool::bind
+
+using kvpool::bind::run_alloc;
+
+namespace {
 
 // alloc_items: n ids allocated as alloc_ids does, answered as `items[id]` for
 // each (a list): the vLLM plugin passes its block objects and gets them back

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -57,6 +58,27 @@ class CountingNative:
         return counted
 
 
+def python_frames(fn: Any, *args: Any) -> tuple[Any, list[str]]:
+    """``fn(*args)`` and the Python functions it entered (a call that stays native enters none)."""
+    entered: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            entered.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        result = fn(*args)
+    finally:
+        sys.setprofile(None)
+    return result, entered
+
+
+def ops(space: KVSpace) -> tuple[int, int]:
+    st = space.stats()
+    return st.allocs, st.frees
+
+
 def page_ops(space: KVSpace) -> tuple[int, int]:
     st = space.stats()
     return st.commits, st.releases
@@ -68,17 +90,22 @@ def test_kvspace_alloc_and_free_are_one_native_call_each() -> None:
     sp = KVSpace(G, reserve=(0, 64), idle_release_s=NEVER)
     try:
         sp.free(sp.alloc(40))  # warm: pages committed
-        proxy = CountingNative(sp._space)
-        sp._space = proxy
         for n in (1, 16, 40):
-            ids = sp.alloc(n)
-            assert proxy.calls == Counter(alloc=1), proxy.calls
-            proxy.calls.clear()
-            sp.free(ids)
-            assert proxy.calls == Counter(free=1), proxy.calls
-            proxy.calls.clear()
+            before = ops(sp)
+            ids, frames = python_frames(sp.alloc, n)
+            assert frames == [] and len(ids) == n
+            _, frames = python_frames(sp.free, ids)
+            assert frames == []
+            _, frames = python_frames(sp.free, sp.alloc(n).tolist())  # the vLLM plugin's form: a list
+            assert frames == []
+            assert ops(sp) == (before[0] + 2, before[1] + 2)
+        # Anything else takes the checked path (one Python frame: the class's method).
+        ids = sp.alloc(4)
+        _, frames = python_frames(sp.free, tuple(ids.tolist()))
+        assert frames[0] == "free"
+        _, frames = python_frames(sp.alloc, np.int64(3))
+        assert frames[0] == "alloc"
     finally:
-        sp._space = getattr(sp._space, "_native", sp._space)
         sp.close()
 
 
@@ -88,20 +115,65 @@ async def test_manager_alloc_nowait_await_alloc_and_free_are_one_native_call_eac
     m = KVCacheManager(G, pool=None, reserve=(0, 64))
     async with m:
         m.free(m.alloc_nowait(40))
-        proxy = CountingNative(m._native)
-        m._native = proxy
-        ids = m.alloc_nowait(16)
-        assert proxy.calls == Counter(alloc=1), proxy.calls
-        proxy.calls.clear()
+        before = ops(m.space)
+        ids, frames = python_frames(m.alloc_nowait, 16)
+        assert frames == [] and len(ids) == 16
+        _, frames = python_frames(m.free, ids)
+        assert frames == []
+        assert ops(m.space) == (before[0] + 1, before[1] + 1)
+        # await alloc granted at once: its own frame and one native call.
+        coro = m.alloc(16)
+
+        def step() -> Any:
+            try:
+                coro.send(None)
+            except StopIteration as done:
+                return done.value
+            raise AssertionError("an alloc granted at once suspended")
+
+        ids, frames = python_frames(step)
+        assert frames == ["step", "alloc"] and len(ids) == 16
         m.free(ids)
-        assert proxy.calls == Counter(free=1), proxy.calls
-        proxy.calls.clear()
-        ids = await m.alloc(16)  # granted at once
-        assert proxy.calls == Counter(alloc=1), proxy.calls
-        proxy.calls.clear()
+        assert ops(m.space) == (before[0] + 2, before[1] + 2)
+        assert m.stats().granted_at_once == 3
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_manager_hot_path_hands_every_unusual_state_to_the_checked_path(
+        anyio_backend: str) -> None:
+    """A free while someone waits must dispatch; DEBUG must trace; a closed manager must refuse:
+    the native hot path sees each state and takes the class's method then."""
+    import anyio
+
+    from kvpool import PoolClosed, tracing
+
+    m = KVCacheManager(G, pool=None, reserve=(0, 64))
+    held = m.alloc_nowait(G.capacity)
+    granted: list[Any] = []
+    async with anyio.create_task_group() as tg:
+        async def waiter() -> None:
+            granted.append(await m.alloc(8))
+
+        tg.start_soon(waiter)
+        while m.waiting == 0:
+            await anyio.sleep(0)
+        _, frames = python_frames(m.free, held[:8])
+        assert frames[0] == "free"  # the checked path: it hands the 8 blocks to the waiter
+    assert len(granted) == 1 and len(granted[0]) == 8
+    m.free(granted[0])
+
+    with tracing.capture() as events:
+        _, frames = python_frames(m.alloc_nowait, 1)
+    assert frames[0] == "alloc_nowait"
+    assert any(e.get("event") == "alloc.granted" for e in events)
+
+    ids = m.alloc_nowait(1)
+    await m.aclose()
+    with pytest.raises(PoolClosed):
         m.free(ids)
-        assert proxy.calls == Counter(free=1), proxy.calls
-        m._native = proxy._native
+    with pytest.raises(PoolClosed):
+        m.alloc_nowait(1)
 
 
 # ------------------------------------------------------------- no page thrash
@@ -241,3 +313,28 @@ def test_hot_path_errors_are_the_checked_paths_errors() -> None:
         assert sp.stats().used_blocks == 0 and sp.available() == G.capacity
     finally:
         sp.close()
+
+
+def test_a_subclass_that_overrides_alloc_or_free_keeps_its_own() -> None:
+    calls: list[str] = []
+
+    class Logged(KVSpace):
+        def free(self, blocks: Any) -> None:
+            calls.append("free")
+            super().free(blocks)
+
+    class LoggedManager(KVCacheManager):
+        def alloc_nowait(self, n: int, *, priority: int = 0) -> Any:
+            calls.append("alloc_nowait")
+            return super().alloc_nowait(n, priority=priority)
+
+    sp = Logged(G)
+    try:
+        sp.free(sp.alloc(3))
+        assert calls == ["free"] and sp.stats().used_blocks == 0
+    finally:
+        sp.close()
+    m = LoggedManager(G, pool=None)
+    m.free(m.alloc_nowait(3))
+    assert calls == ["free", "alloc_nowait"] and m.stats().used_blocks == 0
+    m.space.close()

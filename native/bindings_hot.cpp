@@ -1,0 +1,247 @@
+// The hot path's Python faces (issue 12): KVSpace.alloc / free and
+// KVCacheManager.alloc_nowait / free, each bound on the instance as one
+// native call with no Python frame. A face takes the common case itself: a
+// plain int n, ids as a canonical int64 array or a list of ints, and (the
+// manager's) nobody queued, not closed, no limit waiting to be applied, no
+// DEBUG tracing. Anything else goes to its owner's Python method (the class's
+// own alloc / free: the checked path, unchanged), so every odd argument and
+// every rare state is answered exactly as before. A refused alloc or free is
+// raised by a Python hook too, so the errors are the checked path's.
+//
+// No reference cycle: a face holds its owner through a weak reference, the
+// native Space, plain Python containers and module-level functions.
+#include <nanobind/nanobind.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#define PY_ARRAY_UNIQUE_SYMBOL kvpool_ARRAY_API
+#define NO_IMPORT_ARRAY
+#include <numpy/arrayobject.h>
+
+#include "bindings.hpp"
+#include "space.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using kvpool::Space;
+
+namespace {
+
+// A Python int within int64 (not a bool, not a subclass).
+bool plain_int(PyObject* o, int64_t* v) {
+    if (!PyLong_CheckExact(o)) return false;
+    int overflow = 0;
+    const long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow != 0) return false;
+    *v = static_cast<int64_t>(x);
+    return true;
+}
+
+// The Python object a face belongs to (its weak reference's target).
+nb::object owner_of(const nb::object& ref, const char* what) {
+    nb::object o = ref();
+    if (o.is_none()) throw nb::type_error((std::string("the ") + what + " this method was bound to is gone").c_str());
+    return o;
+}
+
+// The ids of a free when they are in a form the core reads directly (false:
+// the owner's checked path converts them).
+bool fast_ids(nb::handle blocks, const int64_t** data, int64_t* n, std::vector<int64_t>& scratch) {
+    PyObject* o = blocks.ptr();
+    if (!PyArray_CheckExact(o) && !PyList_CheckExact(o)) return false;
+    try {
+        *data = kvpool::bind::id_buffer(blocks, n, scratch);
+    } catch (const nb::builtin_exception&) {  // a TypeError: not a form read directly
+        return false;
+    }
+    return true;
+}
+
+bool is_ids(const nb::object& r) { return PyArray_CheckExact(r.ptr()); }
+
+// A Space's Python object and the Space itself.
+struct Bound {
+    nb::object obj;
+    Space* space = nullptr;
+    explicit Bound(nb::handle s) : obj(nb::borrow(s)), space(nb::cast<Space*>(s)) {}
+};
+
+// KVSpace.alloc(n, *, promised=False) and KVSpace.free(blocks).
+struct SpaceHotPath {
+    Bound space;
+    nb::object owner;         // weakref to the KVSpace
+    nb::object checked_alloc; // KVSpace.alloc (the class's: the checked path)
+    nb::object checked_free;  // KVSpace.free
+    nb::object alloc_refused; // (failure, n) -> raises the kvpool error
+    nb::object free_refused;  // (failure) -> raises the kvpool error
+
+    nb::object alloc(nb::handle n, nb::handle promised) {
+        int64_t v = 0;
+        const bool plain_flag = promised.ptr() == Py_False || promised.ptr() == Py_True;
+        if (!plain_flag || !plain_int(n.ptr(), &v))
+            return checked_alloc(owner_of(owner, "KVSpace"), n, "promised"_a = promised);
+        nb::object r = kvpool::bind::alloc_ids(*space.space, v, promised.ptr() == Py_True);
+        if (is_ids(r)) return r;
+        alloc_refused(r, v);
+        throw nb::type_error("alloc_refused returned instead of raising");
+    }
+
+    void free(nb::handle blocks) {
+        thread_local std::vector<int64_t> scratch;
+        const int64_t* data = nullptr;
+        int64_t n = 0;
+        if (!fast_ids(blocks, &data, &n, scratch)) {
+            checked_free(owner_of(owner, "KVSpace"), blocks);
+            return;
+        }
+        nb::object r = kvpool::bind::free_ids(*space.space, data, n);
+        if (PyLong_CheckExact(r.ptr())) return;
+        free_refused(r);
+        throw nb::type_error("free_refused returned instead of raising");
+    }
+};
+
+// KVCacheManager.alloc_nowait(n, *, priority=0) and KVCacheManager.free(blocks).
+struct ManagerHotPath {
+    Bound space;
+    nb::object owner;          // weakref to the manager
+    nb::object checked_alloc;  // KVCacheManager.alloc_nowait (the class's)
+    nb::object checked_free;   // KVCacheManager.free
+    nb::object alloc_refused;  // (manager, failure, n) -> counts, logs, raises
+    nb::object try_refused;    // (manager, failure, n) -> raises (await alloc: a refusal other than a shortage)
+    nb::object free_refused;   // (failure) -> raises
+    nb::object waiters;        // the wait queue's priorities: a list, empty while nobody waits
+    nb::object trace_state;    // kvpool.tracing.state: {"level": int}
+    nb::object level_key;
+    int64_t debug_level = 0;
+    int64_t usable = 0;        // blocks an alloc may ask for
+    bool closed = false;       // set by the manager: closed
+    bool deferred = false;     // set by the manager: a lowered limit waits to be applied
+    int64_t at_once = 0;       // allocs this face granted
+
+    // Nothing the checked path would do besides the one native call.
+    bool plain_state() const {
+        if (closed || PyList_GET_SIZE(waiters.ptr()) != 0) return false;
+        PyObject* level = PyDict_GetItemWithError(trace_state.ptr(), level_key.ptr());  // borrowed
+        if (level == nullptr) {
+            PyErr_Clear();
+            return false;
+        }
+        int64_t l = 0;
+        return plain_int(level, &l) && l > debug_level;
+    }
+
+    nb::object alloc_nowait(nb::handle n, nb::handle priority) {
+        int64_t v = 0, p = -1;
+        if (plain_state() && plain_int(priority.ptr(), &p) && p == 0 && plain_int(n.ptr(), &v) && v > 0 &&
+            v <= usable) {
+            nb::object r = kvpool::bind::alloc_ids(*space.space, v, false);
+            if (is_ids(r)) {
+                ++at_once;
+                return r;
+            }
+            alloc_refused(owner_of(owner, "KVCacheManager"), r, v);
+            throw nb::type_error("alloc_refused returned instead of raising");
+        }
+        return checked_alloc(owner_of(owner, "KVCacheManager"), n, "priority"_a = priority);
+    }
+
+    // await alloc's first try: the ids (granted at once), a Failure (a
+    // shortage: the caller queues) or None (anything unusual: the caller's
+    // checked path); any other refusal is raised.
+    nb::object try_alloc(nb::handle n) {
+        int64_t v = 0;
+        if (!plain_state() || !plain_int(n.ptr(), &v) || v <= 0 || v > usable) return nb::none();
+        nb::object r = kvpool::bind::alloc_ids(*space.space, v, false);
+        if (is_ids(r)) {
+            ++at_once;
+            return r;
+        }
+        if (nb::cast<const kvpool::bind::Failure&>(r).code == static_cast<int>(kvpool::Code::Shortage)) return r;
+        try_refused(owner_of(owner, "KVCacheManager"), r, v);
+        throw nb::type_error("try_refused returned instead of raising");
+    }
+
+    void free(nb::handle blocks) {
+        thread_local std::vector<int64_t> scratch;
+        const int64_t* data = nullptr;
+        int64_t n = 0;
+        if (deferred || !plain_state() || !fast_ids(blocks, &data, &n, scratch)) {
+            checked_free(owner_of(owner, "KVCacheManager"), blocks);
+            return;
+        }
+        nb::object r = kvpool::bind::free_ids(*space.space, data, n);
+        if (PyLong_CheckExact(r.ptr())) return;
+        free_refused(r);
+        throw nb::type_error("free_refused returned instead of raising");
+    }
+};
+
+}  // namespace
+
+void kvpool::bind::bind_hot_path(nb::module_& m) {
+    nb::class_<SpaceHotPath>(m, "SpaceHotPath",
+                             "KVSpace.alloc / free as one native call each (kvpool.space binds them on the instance).")
+        .def(
+            "__init__",
+            [](SpaceHotPath* t, nb::handle space, nb::object owner, nb::object checked_alloc, nb::object checked_free,
+               nb::object alloc_refused, nb::object free_refused) {
+                new (t) SpaceHotPath{Bound(space), std::move(owner), std::move(checked_alloc),
+                                     std::move(checked_free), std::move(alloc_refused), std::move(free_refused)};
+            },
+            "space"_a, "owner"_a, "checked_alloc"_a, "checked_free"_a, "alloc_refused"_a, "free_refused"_a,
+            nb::sig("def __init__(self, space: Space, owner: weakref.ReferenceType[typing.Any], "
+                    "checked_alloc: typing.Callable[..., typing.Any], checked_free: typing.Callable[..., typing.Any], "
+                    "alloc_refused: typing.Callable[[Failure, int], typing.NoReturn], "
+                    "free_refused: typing.Callable[[Failure], typing.NoReturn]) -> None"))
+        .def("alloc", &SpaceHotPath::alloc, "n"_a, nb::kw_only(), "promised"_a = false,
+             nb::sig("def alloc(self, n: int, *, promised: bool = False) -> numpy.typing.NDArray[numpy.int64]"),
+             "KVSpace.alloc: n block ids, or the kvpool error.")
+        .def("free", &SpaceHotPath::free, "blocks"_a,
+             nb::sig("def free(self, blocks: typing.Any) -> None"), "KVSpace.free: every id or none, or the kvpool error.");
+
+    nb::class_<ManagerHotPath>(m, "ManagerHotPath",
+                               "KVCacheManager.alloc_nowait / free as one native call each while nothing is unusual "
+                               "(kvpool.manager binds them on the instance).")
+        .def(
+            "__init__",
+            [](ManagerHotPath* t, nb::handle space, nb::object owner, nb::object checked_alloc,
+               nb::object checked_free, nb::object alloc_refused, nb::object try_refused, nb::object free_refused,
+               nb::list waiters,
+               nb::dict trace_state, int64_t debug_level, int64_t usable) {
+                new (t) ManagerHotPath{Bound(space),
+                                       std::move(owner),
+                                       std::move(checked_alloc),
+                                       std::move(checked_free),
+                                       std::move(alloc_refused),
+                                       std::move(try_refused),
+                                       std::move(free_refused),
+                                       std::move(waiters),
+                                       std::move(trace_state),
+                                       nb::str("level"),
+                                       debug_level,
+                                       usable};
+            },
+            "space"_a, "owner"_a, "checked_alloc"_a, "checked_free"_a, "alloc_refused"_a, "try_refused"_a,
+            "free_refused"_a, "waiters"_a, "trace_state"_a, "debug_level"_a, "usable"_a,
+            nb::sig("def __init__(self, space: Space, owner: weakref.ReferenceType[typing.Any], "
+                    "checked_alloc: typing.Callable[..., typing.Any], checked_free: typing.Callable[..., typing.Any], "
+                    "alloc_refused: typing.Callable[[typing.Any, Failure, int], typing.NoReturn], "
+                    "try_refused: typing.Callable[[typing.Any, Failure, int], typing.NoReturn], "
+                    "free_refused: typing.Callable[[Failure], typing.NoReturn], waiters: list[typing.Any], "
+                    "trace_state: dict[str, typing.Any], debug_level: int, usable: int) -> None"))
+        .def("alloc_nowait", &ManagerHotPath::alloc_nowait, "n"_a, nb::kw_only(), "priority"_a = 0,
+             nb::sig("def alloc_nowait(self, n: int, *, priority: int = 0) -> numpy.typing.NDArray[numpy.int64]"),
+             "KVCacheManager.alloc_nowait: n block ids, or the kvpool error.")
+        .def("try_alloc", &ManagerHotPath::try_alloc, "n"_a,
+             nb::sig("def try_alloc(self, n: typing.Any) -> numpy.typing.NDArray[numpy.int64] | Failure | None"),
+             "await alloc's first try: ids, a Failure (a shortage: queue) or None (take the checked path).")
+        .def("free", &ManagerHotPath::free, "blocks"_a, nb::sig("def free(self, blocks: typing.Any) -> None"),
+             "KVCacheManager.free.")
+        .def_rw("closed", &ManagerHotPath::closed, "The manager is closed: every call takes the checked path.")
+        .def_rw("deferred", &ManagerHotPath::deferred,
+                "A lowered limit waits to be applied: every free takes the checked path (it re-judges it).")
+        .def_ro("at_once", &ManagerHotPath::at_once, "Allocs this face granted.");
+}
