@@ -61,6 +61,20 @@ bool fast_ids(nb::handle blocks, const int64_t** data, int64_t* n, std::vector<i
 
 bool is_ids(const nb::object& r) { return PyArray_CheckExact(r.ptr()); }
 
+// A free both faces run: the ids read natively and freed in one native call
+// (a refusal raised through `refused`), or false without touching anything
+// when they are not in a form the core reads directly.
+bool free_fast(Space& s, nb::handle blocks, const nb::object& refused) {
+    thread_local std::vector<int64_t> scratch;
+    const int64_t* data = nullptr;
+    int64_t n = 0;
+    if (!fast_ids(blocks, &data, &n, scratch)) return false;
+    nb::object r = kvpool::bind::free_ids(s, data, n);
+    if (PyLong_CheckExact(r.ptr())) return true;
+    refused(r);
+    throw nb::type_error("free_refused returned instead of raising");
+}
+
 // A Space's Python object and the Space itself.
 struct Bound {
     nb::object obj;
@@ -89,17 +103,7 @@ struct SpaceHotPath {
     }
 
     void free(nb::handle blocks) {
-        thread_local std::vector<int64_t> scratch;
-        const int64_t* data = nullptr;
-        int64_t n = 0;
-        if (!fast_ids(blocks, &data, &n, scratch)) {
-            checked_free(owner_of(owner, "KVSpace"), blocks);
-            return;
-        }
-        nb::object r = kvpool::bind::free_ids(*space.space, data, n);
-        if (PyLong_CheckExact(r.ptr())) return;
-        free_refused(r);
-        throw nb::type_error("free_refused returned instead of raising");
+        if (!free_fast(*space.space, blocks, free_refused)) checked_free(owner_of(owner, "KVSpace"), blocks);
     }
 };
 
@@ -165,17 +169,8 @@ struct ManagerHotPath {
     }
 
     void free(nb::handle blocks) {
-        thread_local std::vector<int64_t> scratch;
-        const int64_t* data = nullptr;
-        int64_t n = 0;
-        if (deferred || !plain_state() || !fast_ids(blocks, &data, &n, scratch)) {
+        if (deferred || !plain_state() || !free_fast(*space.space, blocks, free_refused))
             checked_free(owner_of(owner, "KVCacheManager"), blocks);
-            return;
-        }
-        nb::object r = kvpool::bind::free_ids(*space.space, data, n);
-        if (PyLong_CheckExact(r.ptr())) return;
-        free_refused(r);
-        throw nb::type_error("free_refused returned instead of raising");
     }
 };
 
