@@ -532,3 +532,92 @@ class ManagerHotPath:
     @property
     def at_once(self) -> int:
         """Allocs this face granted."""
+
+class VllmFreeQueue:
+    """
+    The native half of the vLLM plugin's free block queue and its pool's hot path (adapters/vllm/block_pool.py).
+    """
+
+    def __init__(self, space: Space, blocks: list[Any], evictable: dict[int, Any], watchers: dict[int, Any], pool: Any, checked_get_new: Callable[[Any, int], list[Any]], vllm_get_new: Callable[[Any, int], list[Any]], free_refused: Callable[[Failure], NoReturn], total: int) -> None: ...
+
+    def popleft_n(self, n: int) -> list[Any]:
+        """
+        vLLM's get_new_blocks(n): the space's ids answered as vLLM's block objects.
+        """
+
+    def popleft(self) -> Any:
+        """popleft_n(1)[0]."""
+
+    def prepend_n(self, blocks: list[Any]) -> None:
+        """
+        Blocks at ref 0 with no cache hash: back to the space in one native call.
+        """
+
+    def append_n(self, blocks: list[Any]) -> None:
+        """
+        Cached (or unpinned) blocks at ref 0: held as evictable, most recent last.
+        """
+
+    def append(self, block: Any) -> None:
+        """append_n([block])."""
+
+    def get_num_free_blocks(self) -> int:
+        """The plugin's free count (bound on its BlockPool instance)."""
+
+    def get_new_blocks(self, num_blocks: int) -> list[Any]:
+        """The plugin's get_new_blocks (bound on its BlockPool instance)."""
+
+    def note_if_idle(self) -> None:
+        """With every block free, tell the pool this engine waits for nothing."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        """vLLM's own free count (virtual)."""
+
+    @num_free_blocks.setter
+    def num_free_blocks(self, arg: int, /) -> None: ...
+
+    @property
+    def promised(self) -> int:
+        """Blocks the last free count told vLLM it could have."""
+
+    @promised.setter
+    def promised(self, arg: int, /) -> None: ...
+
+    @property
+    def lending(self) -> bool:
+        """The budget's lending verdict as the plugin last read it."""
+
+    @lending.setter
+    def lending(self, arg: bool, /) -> None: ...
+
+    @property
+    def virtual_count(self) -> bool:
+        """
+        The free count answers vLLM's virtual figure (inside vLLM's own checks).
+        """
+
+    @virtual_count.setter
+    def virtual_count(self, arg: bool, /) -> None: ...
+
+    @property
+    def lend_refusals(self) -> int:
+        """Free counts answered 0 in this lending episode."""
+
+    @lend_refusals.setter
+    def lend_refusals(self, arg: int, /) -> None: ...
+
+    @property
+    def reported_waiting(self) -> int:
+        """What the pool's ledger was last told."""
+
+    @reported_waiting.setter
+    def reported_waiting(self, arg: int, /) -> None: ...
+
+    @property
+    def total(self) -> int:
+        """Every block but vLLM's null block."""
+
+    @property
+    def evictable(self) -> dict[int, Any]:
+        """Held blocks with ref_cnt 0, oldest first (dict order = LRU)."""

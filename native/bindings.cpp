@@ -206,4 +206,5 @@ NB_MODULE(_native, m) {
     kvpool::bind::bind_space(m);
     kvpool::bind::bind_mirror(m);
     kvpool::bind::bind_hot_path(m);
+    kvpool::bind::bind_vllm(m);
 }

@@ -43,6 +43,12 @@ struct Failure {
 nanobind::object alloc_ids(Space& s, int64_t n, bool promised);
 nanobind::object free_ids(Space& s, const int64_t* data, int64_t n);
 const int64_t* id_buffer(nanobind::handle ids, int64_t* n, std::vector<int64_t>& scratch);
+// The vLLM plugin's forms: alloc_items answers [items[id] for each id] (a
+// list) or a Failure; free_items frees [getattr(item, attr) ...] (ids read
+// natively) as free_ids; available_now is Space.available().
+nanobind::object alloc_items(Space& s, int64_t n, nanobind::handle items, bool promised);
+nanobind::object free_items(Space& s, nanobind::handle items, nanobind::handle attr);
+int64_t available_now(Space& s);
 
 // Failure, Space and create_space (bindings_space.cpp); needs Ledger bound first.
 void bind_space(nanobind::module_& m);
@@ -51,5 +57,8 @@ void bind_mirror(nanobind::module_& m);
 // SpaceHotPath and ManagerHotPath (bindings_hot.cpp): KVSpace's and
 // KVCacheManager's alloc / free as one native call each; needs Space bound first.
 void bind_hot_path(nanobind::module_& m);
+// VllmFreeQueue (bindings_vllm.cpp): the vLLM plugin's free block queue and
+// block pool hot path; needs Space bound first.
+void bind_vllm(nanobind::module_& m);
 
 }  // namespace kvpool::bind

@@ -179,9 +179,7 @@ nb::object alloc_ids(Space& s, int64_t n, bool promised) {
 
 }  // namespace kvpool::bind
 
-using kvpool::bind::run_alloc;
-
-namespace {
+namespace kvpool::bind {
 
 // alloc_items: n ids allocated as alloc_ids does, answered as `items[id]` for
 // each (a list): the vLLM plugin passes its block objects and gets them back
@@ -211,7 +209,25 @@ nb::object alloc_items(Space& s, int64_t n, nb::handle items, bool promised) {
     return nb::steal(out);
 }
 
-}  // namespace
+nb::object free_items(Space& s, nb::handle items, nb::handle attr) {
+    int64_t n = 0;
+    thread_local std::vector<int64_t> scratch;
+    const int64_t* data = attr_ids(items, attr, &n, scratch);
+    return free_ids(s, data, n);
+}
+
+int64_t available_now(Space& s) {
+    int64_t a = 0;
+    if (s.try_available(&a)) return a;  // the common case: the GIL held, no wait
+    nb::gil_scoped_release nogil;
+    return s.available();
+}
+
+}  // namespace kvpool::bind
+
+using kvpool::bind::alloc_items;
+using kvpool::bind::available_now;
+using kvpool::bind::free_items;
 
 void kvpool::bind::bind_space(nb::module_& m) {
     nb::class_<Failure>(m, "Failure", "A failed alloc or free: nothing changed.")
@@ -229,15 +245,7 @@ void kvpool::bind::bind_space(nb::module_& m) {
              nb::sig("def alloc_items(self, n: int, items: list[typing.Any], promised: bool = False) -> list[typing.Any] | Failure"),
              "alloc (alloc_promised if promised) answered as [items[id] for each id]; items: a list with an "
              "entry per block.")
-        .def(
-            "free_items",
-            [](Space& s, nb::handle items, nb::handle attr) -> nb::object {
-                int64_t n = 0;
-                thread_local std::vector<int64_t> scratch;
-                const int64_t* data = attr_ids(items, attr, &n, scratch);
-                return free_ids(s, data, n);
-            },
-            "items"_a, "attr"_a,
+        .def("free_items", &free_items, "items"_a, "attr"_a,
             nb::sig("def free_items(self, items: list[typing.Any], attr: str) -> int | Failure"),
             "free of [getattr(item, attr) for item in items] (the ids read natively); as free.")
         .def("alloc_promised", [](Space& s, int64_t n) { return alloc_ids(s, n, true); }, "n"_a,
@@ -256,13 +264,7 @@ void kvpool::bind::bind_space(nb::module_& m) {
             "Validates the whole batch first: blocks available after it, or a Failure naming the bad ids "
             "(nothing freed). TypeError unless ids is a 1-D C-contiguous int64 numpy array or a list of ints.")
         .def(
-            "available",
-            [](Space& s) {
-                int64_t a = 0;
-                if (s.try_available(&a)) return a;  // the common case: the GIL held, no wait
-                nb::gil_scoped_release nogil;
-                return s.available();
-            },
+            "available", &available_now,
             "Blocks a following alloc can deliver (waits for the space's mutex only without the GIL).")
         .def(
             "trim",

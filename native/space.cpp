@@ -194,12 +194,15 @@ int64_t Space::available() {
     return closed_ ? 0 : available_locked();
 }
 
+// enter_locked(nonblocking) without building a Status: the vLLM plugin's
+// free count calls this once per request.
 bool Space::try_available(int64_t* out) {
     *out = 0;
-    std::unique_lock<std::mutex> lk(mu_, std::defer_lock);
-    const Status entered = enter_locked(lk, /*nonblocking=*/true);
-    if (entered.code == Code::WouldBlock) return false;
-    if (!entered.is_ok()) return true;  // closed or inherited: nothing is available
+    if (inherited() || closed_) return true;  // nothing is available
+    if (!mu_.try_lock()) return false;
+    std::lock_guard<std::mutex> lk(mu_, std::adopt_lock);
+    if (closed_) return true;
+    if (!cfg_.reserve_thread && budget_.stale()) return false;  // a refresh may release pages: not here
     refresh_budget_locked();  // with a reserve thread: wakes it, no syscall here
     *out = available_locked();
     return true;

@@ -60,13 +60,13 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import numpy as np
 
 from kvpool import BudgetStats, KVSpace, PoolExhausted, RequestTooLarge
 from kvpool._core import raise_failure
-from kvpool._native import Failure
+from kvpool._native import Failure, VllmFreeQueue
 from kvpool.space import alloc_failed
 from kvpool.tracing import get_logger
 
@@ -84,12 +84,20 @@ class KVPoolShortage(ValueError):
     """The space could not deliver blocks vLLM was told were free (a race)."""
 
 
-class _SpaceFreeQueue:
+class _SpaceFreeQueue(VllmFreeQueue):
     """vLLM's free block queue, kept by the space: what vLLM's own
     ``BlockPool`` methods (``get_new_blocks``, ``free_blocks``, ``touch``,
     ``unpin_blocks``) call on ``free_block_queue``, with the native allocator
-    in place of vLLM's linked list. One native call per ``popleft_n`` and per
-    ``prepend_n``; no per-block Python work beyond vLLM's own loops.
+    in place of vLLM's linked list.
+
+    The hot half is native (:class:`kvpool._native.VllmFreeQueue`):
+    ``popleft_n`` answers vLLM's block objects from one native alloc,
+    ``prepend_n`` frees them in one native call, ``append_n`` holds cached
+    blocks as evictable, and the counters vLLM and the
+    plugin share (``num_free_blocks``, ``promised``, ``lending``...) live
+    there. Off its common case it calls back into the plugin
+    (``KVPoolBlockPool._take_short``, :meth:`_keep_readable`,
+    ``_report_waiting``). The rest is here.
 
     vLLM's free queue has two ends: blocks freed without a cache hash go to
     the head (reused first), cached ones and unpinned ones to the tail (LRU
@@ -102,63 +110,16 @@ class _SpaceFreeQueue:
     Only the methods vLLM 0.32 calls exist: a vLLM that calls another fails
     loudly here instead of handing out wrong ids."""
 
-    __slots__ = ("num_free_blocks", "evictable", "promised", "_pool", "_blocks", "_watchers", "_alloc_items",
-                 "_free_items", "_total")
-
     def __init__(self, pool: KVPoolBlockPool) -> None:
+        super().__init__(pool.space._space, pool.blocks, {}, pool._reuse_watchers, pool,
+                         KVPoolBlockPool.get_new_blocks, BlockPool.get_new_blocks, _free_refused,
+                         pool.num_gpu_blocks - 1)  # every block but vLLM's null block
         self._pool = pool
-        self._blocks = pool.blocks
-        self._watchers = pool._reuse_watchers  # vLLM's dict (never rebound)
-        self._total = pool.num_gpu_blocks - 1  # every block but vLLM's null block
-        self.num_free_blocks = self._total
-        # Held blocks with ref_cnt 0, oldest first (dict order = LRU).
-        self.evictable: dict[int, Any] = {}
-        # Blocks the last free count told vLLM it could have (see get_num_free_blocks).
-        self.promised = 0
-        # The bound native calls of the hot path.
-        self._alloc_items = pool.space._space.alloc_items  # answers the block objects of the ids
-        self._free_items = pool.space._space.free_items  # frees [b.block_id ...], read natively
-
-    def popleft_n(self, n: int) -> list[Any]:
-        """The blocks for vLLM's ``get_new_blocks(n)``: one native call that
-        answers the block objects themselves, or the plugin's shortage path."""
-        # Covered by the free count vLLM just read: granted even if this
-        # engine turned lender since (another process started waiting below
-        # its guarantee). The next count answers 0 and vLLM preempts then.
-        promised = n <= self.promised
-        got = self._alloc_items(n, self._blocks, promised)
-        if type(got) is list and not self._pool._lending:
-            self.promised = self.promised - n if promised else 0
-        else:
-            got = self._pool._take_short(n, promised, got)
-        self.num_free_blocks -= n
-        return got
-
-    def popleft(self) -> Any:
-        return self.popleft_n(1)[0]
-
-    def prepend_n(self, blocks: list[Any]) -> None:
-        """Blocks that reached ref 0 with no cache hash: back to the space
-        (an unpinned one stays readable until reused: to the tail)."""
-        if self._watchers:
-            blocks = self._keep_readable(blocks)
-        if blocks:
-            r = self._free_items(blocks, "block_id")
-            if type(r) is not int:
-                raise_failure(cast(Failure, r), ids=True)
-            self.num_free_blocks += len(blocks)
-        self._note_if_idle()
-
-    def _note_if_idle(self) -> None:
-        if self.num_free_blocks == self._total and self._pool._reported_waiting:
-            # Nothing in use any more: an offline engine may never call again,
-            # so it must not leave "waiting" behind in the ledger.
-            self._pool._report_waiting(0)
 
     def _keep_readable(self, blocks: list[Any]) -> list[Any]:
         """Unpinned blocks (a reuse watcher waits on them) go to the tail;
         returns the others."""
-        watchers, evictable = self._watchers, self.evictable
+        watchers, evictable = self._pool._reuse_watchers, self.evictable
         rest = []
         for b in blocks:
             if b.block_id in watchers:
@@ -167,19 +128,6 @@ class _SpaceFreeQueue:
             else:
                 rest.append(b)
         return rest
-
-    def append_n(self, blocks: list[Any]) -> None:
-        """Cached (or unpinned) blocks at ref 0: held, most recent last."""
-        if not blocks:
-            return
-        self.num_free_blocks += len(blocks)
-        evictable = self.evictable
-        for b in blocks:
-            evictable[b.block_id] = b
-        self._note_if_idle()
-
-    def append(self, block: Any) -> None:
-        self.append_n([block])
 
     def remove(self, block: Any) -> None:
         """A prefix-cache hit on a block at ref 0 (``touch``): in use again."""
@@ -190,7 +138,12 @@ class _SpaceFreeQueue:
     def get_all_free_blocks(self) -> list[Any]:
         """Every block vLLM counts as free: the space's, then the tail (LRU)."""
         held = self.evictable
-        return [b for b in self._blocks[1:] if b.ref_cnt == 0 and b.block_id not in held] + list(held.values())
+        return [b for b in self._pool.blocks[1:] if b.ref_cnt == 0 and b.block_id not in held] + list(
+            held.values())
+
+
+def _free_refused(failure: Failure) -> NoReturn:
+    raise_failure(failure, ids=True)
 
 
 class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
@@ -213,21 +166,24 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         # block); the space is the free queue from here on.
         for block in self.blocks:
             block.prev_free_block = block.next_free_block = None
-        self.free_block_queue = _SpaceFreeQueue(self)
-        self._evictable = self.free_block_queue.evictable
+        queue = self.free_block_queue = _SpaceFreeQueue(self)
+        self._evictable = queue.evictable
         self._available = space._space.available  # the bound native call of the free count
+        # vLLM's two calls per request, native while nothing is unusual (the
+        # queue's half of the hot path); a subclass overriding one keeps its own.
+        if type(self).get_num_free_blocks is KVPoolBlockPool.get_num_free_blocks:
+            self.get_num_free_blocks = queue.get_num_free_blocks  # type: ignore[method-assign]
+        if type(self).get_new_blocks is KVPoolBlockPool.get_new_blocks:
+            self.get_new_blocks = queue.get_new_blocks  # type: ignore[method-assign]
         g = space.geometry
         self._page_commit_bytes = g.page_commit_bytes
         # Less room than a page holds on average: "at the edge" (see on_step).
         self._blocks_per_page = max(1, math.ceil(g.capacity / g.num_pages))
-        self._reported_waiting = 0
         self._missed = False  # vLLM could not allocate since the last step check
-        self._virtual_count = False
         # The budget's lending verdict as last read (once per step, or on a
-        # shortage); get_num_free_blocks answers from it without a native call.
-        self._lending = False
+        # shortage) is the queue's ``lending``: the free count answers from it
+        # without reading the budget.
         self._lend_pages = 0  # cached pages given back in this lending episode
-        self._lend_refusals = 0  # free counts answered 0 in this episode
         self._log = get_logger(pool=space.pool.name if space.pool else None, tenant=space.name)
 
     # -- what vLLM asks ---------------------------------------------------------
@@ -236,23 +192,14 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
     # free_blocks, for skipped blocks) in between. Reclaiming there could drop
     # a hit before it is touched; the budget is acted on at step start instead.
     def get_num_free_blocks(self) -> int:
-        queue = self.free_block_queue
-        if self._virtual_count:
-            return int(queue.num_free_blocks)
-        if self._lending:
-            # A lender does not grow, not even into its own cache: vLLM sees
-            # a full cache and preempts, as it would with no memory left.
-            self._lend_refusals += 1
-            queue.promised = 0
-            return 0
-        free = self._available() + len(queue.evictable)
-        queued = queue.num_free_blocks
-        if free > queued:
-            free = queued
-        # vLLM allocates right after this answer, trusting it: what it was
-        # told it gets, even if the budget starts lending in between (issue 14).
-        queue.promised = free
-        return free
+        # What the space can deliver now plus the evictable blocks, capped by
+        # vLLM's own count. A lender answers 0: it does not grow, not even
+        # into its own cache, so vLLM sees a full cache and preempts, as it
+        # would with no memory left. vLLM allocates right after this answer,
+        # trusting it: what it was told it gets, even if the budget starts
+        # lending in between (issue 14; the queue's ``promised``). One owner:
+        # the queue's native count, also bound on the instance.
+        return int(self.free_block_queue.get_num_free_blocks())
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
         if num_blocks <= 0:
@@ -262,34 +209,37 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         # Not covered by that count, the space is asked first: a grant means
         # the count would have covered it; only a refusal needs the count
         # (_take_short), so a round trip makes no count of its own.
+        # (The queue's native get_new_blocks, bound on the instance, runs the
+        # covered case itself and calls this method for the rest.)
         queue = self.free_block_queue
-        if num_blocks > queue.promised and (self._lending or num_blocks > queue.num_free_blocks):
+        if num_blocks > queue.promised and (queue.lending or num_blocks > queue.num_free_blocks):
             if num_blocks > self.get_num_free_blocks():
                 raise ValueError(f"Cannot get {num_blocks} free blocks from the pool ({queue.promised} free)")
         # vLLM's own get_new_blocks does the rest (reuse callbacks, cache
         # eviction, ref counts, metrics) over the blocks the space chose
         # (_SpaceFreeQueue.popleft_n); its own free-count check reads the
         # virtual count, as the promise above already stands.
-        self._virtual_count = True
+        virtual, queue.virtual_count = queue.virtual_count, True
         try:
             return super().get_new_blocks(num_blocks)  # type: ignore[no-any-return]
         finally:
-            self._virtual_count = False
+            queue.virtual_count = virtual
 
     def get_usage(self) -> float:
         # vLLM's "KV cache usage": blocks in use over what this engine can use
         # now (in use + the free count), not over its virtual capacity. Stock
         # vLLM's 1 - free / total read 92-95% on an idle engine whose pool
         # backs a fraction of the virtual blocks.
-        queued = int(self.free_block_queue.num_free_blocks)
+        queue = self.free_block_queue
+        queued = int(queue.num_free_blocks)
         in_use = self.num_gpu_blocks - 1 - queued
-        if self._virtual_count:
+        if queue.virtual_count:
             usable = in_use + queued
-        elif self._lending:
+        elif queue.lending:
             usable = in_use
         else:
             usable = in_use + min(queued, self._available() + len(self._evictable))
-        return in_use / usable if usable else (1.0 if self._lending else 0.0)
+        return in_use / usable if usable else (1.0 if queue.lending else 0.0)
 
     def physical(self) -> dict[str, int]:
         """What the space really holds and what the pool can back (the
@@ -310,12 +260,13 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
     def reset_prefix_cache(self) -> bool:
         # vLLM's check ("every block but the null one is free") must count
         # virtual blocks: the pool may not back them all right now.
-        self._virtual_count = True
+        queue = self.free_block_queue
+        virtual, queue.virtual_count = queue.virtual_count, True
         try:
             if not super().reset_prefix_cache():
                 return False
         finally:
-            self._virtual_count = False
+            queue.virtual_count = virtual
         self._release_evictable(list(self._evictable.values()))
         return True
 
@@ -341,7 +292,11 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
     @property
     def lending(self) -> bool:
         """The budget's lending verdict as this engine last acted on it."""
-        return self._lending
+        return bool(self.free_block_queue.lending)
+
+    @property
+    def _lending(self) -> bool:
+        return bool(self.free_block_queue.lending)
 
     # -- kvpool side -----------------------------------------------------------
     def _take_short(self, n: int, promised: bool, failure: Any) -> list[Any]:
@@ -355,11 +310,11 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         if not promised:
             # Asked beyond the last count: now the count decides (vLLM's
             # ValueError, nothing changed), and covers the request if it can.
-            virtual, self._virtual_count = self._virtual_count, False  # (inside vLLM's get_new_blocks)
+            virtual, queue.virtual_count = queue.virtual_count, False  # (inside vLLM's get_new_blocks)
             try:
                 free = self.get_num_free_blocks()
             finally:
-                self._virtual_count = virtual
+                queue.virtual_count = virtual
             if n > free:
                 raise ValueError(f"Cannot get {n} free blocks from the pool ({free} free)")
             promised = True
@@ -399,7 +354,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
                     self._report_waiting(1)
                     waited = True
                     self.space.wait_for_capacity(min(left, 0.05))
-            got = queue._alloc_items(n, self.blocks, promised)
+            got = self.space._space.alloc_items(n, self.blocks, promised)
             if type(got) is list:
                 return self._granted(n, waited, got)
             failure = got
@@ -433,15 +388,16 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         self._report_waiting(int(short))
 
     def _set_lending(self, b: BudgetStats) -> None:
-        if b.lending == self._lending:
+        queue = self.free_block_queue
+        if b.lending == queue.lending:
             return
-        self._lending = b.lending
+        queue.lending = b.lending
         if b.lending:
-            self._lend_pages = self._lend_refusals = 0
+            self._lend_pages = queue.lend_refusals = 0
             self._log.info("vllm lend", borrowed_bytes=b.borrowed_bytes, guarantee_bytes=b.guarantee_bytes,
                            claimed_bytes=b.claimed_bytes, cached_blocks=len(self._evictable))
         else:
-            self._log.info("vllm lend end", pages_given_back=self._lend_pages, free_counts_refused=self._lend_refusals,
+            self._log.info("vllm lend end", pages_given_back=self._lend_pages, free_counts_refused=queue.lend_refusals,
                            claimed_bytes=b.claimed_bytes, guarantee_bytes=b.guarantee_bytes)
 
     def _pages_over_limit(self, b: BudgetStats) -> int:
@@ -467,9 +423,10 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
 
     def _report_waiting(self, waiting: int) -> None:
         """Tell the pool, on a change only (the ledger is shared memory)."""
-        if waiting != self._reported_waiting and self.space.pool is not None:
+        queue = self.free_block_queue
+        if waiting != queue.reported_waiting and self.space.pool is not None:
             self.space.report_waiting(waiting)
-            self._reported_waiting = waiting
+            queue.reported_waiting = waiting
 
     def _release_evictable(self, blocks: list[Any]) -> None:
         """Drop cached contents and give the blocks back to the space."""

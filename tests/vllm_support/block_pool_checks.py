@@ -513,6 +513,69 @@ def a_round_trip_is_one_native_alloc_and_one_native_free(name: str) -> None:
             assert after.used_blocks == 0 and p.free_block_queue.num_free_blocks == N - 1
 
 
+def plugin_frames(fn: Callable[[], object]) -> list[str]:
+    """The plugin's (adapters/vllm/block_pool.py) Python functions ``fn`` entered."""
+    entered: list[str] = []
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        code = frame.f_code  # type: ignore[attr-defined]
+        if event == "call" and code.co_filename == bp.__file__:
+            entered.append(code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+@check
+def a_round_trip_and_a_free_count_enter_no_python_frame_of_the_plugin(name: str) -> None:
+    # Issue 12: vLLM's per-request calls (get_num_free_blocks, get_new_blocks
+    # and what it calls on the queue, free_blocks' prepend_n) are native
+    # while nothing is unusual; vLLM's own frames run as in stock vLLM.
+    for caching in (False, True):
+        with block_pool(name, pages=N // PER_PAGE, caching=caching) as p:
+            p.free_blocks(p.get_new_blocks(3 * PER_PAGE))
+            for n in (1, 5, 3 * PER_PAGE):
+                def round_trip() -> None:
+                    p.get_num_free_blocks()
+                    p.free_blocks(p.get_new_blocks(n))
+
+                before = p.space.stats()
+                frames = plugin_frames(round_trip)
+                assert frames == [], (caching, n, frames)
+                after = p.space.stats()
+                assert (after.allocs - before.allocs, after.frees - before.frees) == (1, 1)
+                assert p.free_block_queue.num_free_blocks == N - 1 and after.used_blocks == 0
+            # Off the common case the plugin's Python answers, as before: an
+            # allocation beyond the last count asks the count again.
+            p.free_block_queue.promised = 0
+            p.free_block_queue.num_free_blocks -= N  # vLLM's own count says no
+            try:
+                assert plugin_frames(lambda: p.get_new_blocks(1)) == []
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("get_new_blocks beyond vLLM's own free count was granted")
+            finally:
+                p.free_block_queue.num_free_blocks += N
+
+
+@check
+def a_dropped_block_pool_is_collected_with_its_queue(name: str) -> None:
+    import gc
+    import weakref
+
+    with block_pool(name, pages=2, caching=True) as p:
+        p.free_blocks(p.get_new_blocks(2))
+        pool_ref, queue_ref = weakref.ref(p), weakref.ref(p.free_block_queue)
+        del p
+        gc.collect()
+        assert pool_ref() is None and queue_ref() is None  # the pool <-> queue cycle is traversed
+
+
 @check
 def a_shortage_evicts_the_oldest_cached_blocks_first(name: str) -> None:
     with block_pool(name, pages=2, caching=True) as p:
