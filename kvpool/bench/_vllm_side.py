@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._timing import SyncBody, repeat_ns, roundtrip_loop
+from ._timing import SyncBody, interleaved_ns, repeat_ns, roundtrip_loop
 
 # BlockPool parameters this program knows how to fill (versions differ).
 KNOWN = {"enable_kv_cache_events": False, "hash_block_size": 16, "block_size": 16, "num_single_type_managers": 1}
@@ -74,6 +74,20 @@ def _checked(cfg: dict[str, Any], pool: Any, body: SyncBody, what: str,
         raise RuntimeError(f"{what}: free blocks moved while timing: {free0} -> {free1}")
     if c1 != c0:
         raise RuntimeError(f"{what}: pages were committed/released while timing: {c0} -> {c1}")
+    return res
+
+
+def _checked_together(cfg: dict[str, Any], pools: dict[str, Any], bodies: dict[str, SyncBody], what: str,
+                      counters: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """:func:`_checked` for several contenders at once, their repeats interleaved."""
+    before = {k: (pools[k].get_num_free_blocks(), counters[k]()) for k in bodies}
+    res = interleaved_ns(bodies, cfg["repeats"], cfg["target_s"])
+    for k in bodies:
+        (free0, c0), free1, c1 = before[k], pools[k].get_num_free_blocks(), counters[k]()
+        if free1 != free0:
+            raise RuntimeError(f"{k} {what}: free blocks moved while timing: {free0} -> {free1}")
+        if c1 != c0:
+            raise RuntimeError(f"{k} {what}: pages were committed/released while timing: {c0} -> {c1}")
     return res
 
 
@@ -194,25 +208,31 @@ def blockpool(cfg: dict[str, Any]) -> dict[str, Any]:
     try:
         for caching in (False, True):
             key = "caching_on" if caching else "caching_off"
-            out["roundtrip"][key] = {}
-            for kind in cfg["kinds"]:
-                pool, space = make(kind, caching, ledger)
-                c = counters(space)
-                out["roundtrip"][key][kind] = {
-                    str(n): _checked(cfg, pool, roundtrip_loop(pool.get_new_blocks, pool.free_blocks, n),
-                                     f"{kind} {key} n={n}", c) for n in cfg["sizes"]}
-                if not caching:
-                    out["num_free"][kind] = _checked(cfg, pool, num_free(pool), f"{kind} get_num_free_blocks", c)
-                    if kind == "kvpool" and space is not None:
-                        out["kvspace"] = {str(n): _checked(cfg, pool, roundtrip_loop(space.alloc, space.free, n),
-                                                           f"kvspace n={n}", c) for n in cfg["sizes"]}
-                    if cfg["profile"] and kind in ("vllm", "kvpool"):
+            # Every contender built first, then timed in turn (interleaved
+            # repeats): a load change on the machine hits them alike.
+            built = {kind: make(kind, caching, ledger) for kind in cfg["kinds"]}
+            pools = {kind: pool for kind, (pool, _) in built.items()}
+            c = {kind: counters(space) for kind, (_, space) in built.items()}
+            per_n = {str(n): _checked_together(cfg, pools, {
+                kind: roundtrip_loop(pool.get_new_blocks, pool.free_blocks, n) for kind, pool in pools.items()},
+                f"{key} n={n}", c) for n in cfg["sizes"]}
+            out["roundtrip"][key] = {kind: {n: per_n[n][kind] for n in per_n} for kind in pools}
+            if not caching:
+                out["num_free"] = _checked_together(cfg, pools, {kind: num_free(pool) for kind, pool in pools.items()},
+                                                    "get_num_free_blocks", c)
+                pool, space = built["kvpool"]
+                if space is not None:
+                    out["kvspace"] = {str(n): _checked(cfg, pool, roundtrip_loop(space.alloc, space.free, n),
+                                                       f"kvspace n={n}", c["kvpool"]) for n in cfg["sizes"]}
+                if cfg["profile"]:
+                    for kind in ("vllm", "kvpool"):
                         out["profile"][kind] = {
-                            str(n): _profile(roundtrip_loop(pool.get_new_blocks, pool.free_blocks, n),
+                            str(n): _profile(roundtrip_loop(pools[kind].get_new_blocks, pools[kind].free_blocks, n),
                                              max(200, 20000 // n), cfg["profile_top"]) for n in cfg["sizes"]}
+            for _, space in built.values():
                 if space is not None:
                     space.close()
-                del pool, space
+            del built, pools
     finally:
         Pool.remove(cfg["pool_name"])
     return out

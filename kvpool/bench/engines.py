@@ -16,7 +16,9 @@ Figures
    plugin runs in an engine), and ``kvspace`` (the bare ``KVSpace`` round
    trip of the ``kvpool`` contender). Geometry: what the plugin builds for
    the tiny model (2 layers of 8 KiB blocks, 64 KiB pages). Pages stay
-   committed (checked). Round trip = ``free_blocks(get_new_blocks(n))``,
+   committed (checked). The contenders are built first and timed in turn,
+   repeat by repeat (a load change hits them alike: each ratio compares
+   loops run seconds apart, not a minute). Round trip = ``free_blocks(get_new_blocks(n))``,
    n = 1, 16, 256, prefix caching off and on; ``get_num_free_blocks()``
    alone. Goals (issue 12): the plugin <= 1.0x vLLM at n >= 16 and <= 1.5x at
    n = 1, caching on and off; ``get_num_free_blocks`` <= 2x vLLM's.
