@@ -31,7 +31,8 @@ Figures
    by default, ``--page-bytes``). 16 prompts of 5 to 200 tokens, greedy,
    ``ignore_eos``, 128 new tokens, batch <= 16, prefix caching off, 64 MiB of
    KV cache. Each process warms up, then runs the batch several times; the
-   configurations alternate process by process (A B, B A, A B). Reported:
+   configurations alternate process by process (A B, B A, A B, B A: 4
+   processes of 6 measured phases each per configuration). Reported:
    tokens/s per phase, the median per configuration, the ratio plugin /
    vLLM (goal >= 0.99). Greedy tokens must be identical across every phase
    of both (the suite fails otherwise). Runs during which other processes
@@ -98,7 +99,7 @@ class Settings:
     engine_timeout_s: float
 
 
-FULL = Settings(repeats=5, target_s=0.1, processes=3, phases=4, retries=2, prompts=16, max_tokens=128,
+FULL = Settings(repeats=5, target_s=0.1, processes=4, phases=6, retries=2, prompts=16, max_tokens=128,
                 blockpool_timeout_s=600, engine_timeout_s=400)
 QUICK = Settings(repeats=3, target_s=0.02, processes=1, phases=1, retries=0, prompts=8, max_tokens=32,
                  blockpool_timeout_s=180, engine_timeout_s=300)
