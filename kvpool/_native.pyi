@@ -1,6 +1,6 @@
 """kvpool native core (private: use the kvpool package)"""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Annotated, Any, NoReturn
 import weakref
 
@@ -482,6 +482,20 @@ def attach_rank(pid: int, fd: int, nonce: int, rank: int, device: str) -> tuple[
     Attach to a mirrored space's channel as `rank`: (code, message, RankMemory | None).
     """
 
+class TraceLevel:
+    """
+    kvpool.tracing's level (its one owner): the hot path reads it natively.
+    """
+
+    def __init__(self) -> None: ...
+
+    @property
+    def level(self) -> int:
+        """Events below this level are not emitted (logging's numbers)."""
+
+    @level.setter
+    def level(self, arg: int, /) -> None: ...
+
 class SpaceHotPath:
     """
     KVSpace.alloc / free as one native call each (kvpool.space binds them on the instance).
@@ -500,7 +514,7 @@ class ManagerHotPath:
     KVCacheManager.alloc_nowait / free as one native call each while nothing is unusual (kvpool.manager binds them on the instance).
     """
 
-    def __init__(self, space: Space, owner: weakref.ReferenceType[Any], checked_alloc: Callable[..., Any], checked_free: Callable[..., Any], alloc_refused: Callable[[Any, Failure, int], NoReturn], try_refused: Callable[[Any, Failure, int], NoReturn], free_refused: Callable[[Failure], NoReturn], waiters: list[Any], trace_state: dict[str, Any], debug_level: int, usable: int) -> None: ...
+    def __init__(self, space: Space, owner: weakref.ReferenceType[Any], checked_alloc: Callable[..., Any], checked_free: Callable[..., Any], alloc_refused: Callable[[Any, Failure, int], NoReturn], try_refused: Callable[[Any, Failure, int], NoReturn], free_refused: Callable[[Failure], NoReturn], checked_await: Callable[..., Awaitable[Any]], waiters: list[Any], trace_state: TraceLevel, debug_level: int, usable: int) -> None: ...
 
     def alloc_nowait(self, n: int, *, priority: int = 0) -> numpy.typing.NDArray[numpy.int64]:
         """KVCacheManager.alloc_nowait: n block ids, or the kvpool error."""
@@ -508,6 +522,11 @@ class ManagerHotPath:
     def try_alloc(self, n: Any) -> numpy.typing.NDArray[numpy.int64] | Failure | None:
         """
         await alloc's first try: ids, a Failure (a shortage: queue) or None (take the checked path).
+        """
+
+    def alloc(self, n: int, *, timeout: float | None = None, priority: int = 0) -> Coroutine[Any, Any, numpy.typing.NDArray[numpy.int64]]:
+        """
+        await KVCacheManager.alloc: an AllocCall (granted at once on its first send, else the checked coroutine).
         """
 
     def free(self, blocks: Any) -> None:

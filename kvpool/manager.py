@@ -23,11 +23,15 @@ one native call each and nothing else: an instance's ``alloc_nowait`` and
 Python frame; they check ``n`` and the ids themselves and hand arguments
 that are not plain ints / int64 arrays or lists, and every unusual state
 (someone queued, closed, a deferred limit, DEBUG tracing), to the class's
-methods below, the checked path. An ``alloc``
+methods below, the checked path. An instance's ``alloc`` returns a native
+coroutine (``kvpool._native.AllocCall``, a ``collections.abc.Coroutine``
+that asyncio tasks and trio take): its first send is the same one native
+call, and anything but a grant hands over to ``_alloc_checked``. An ``alloc``
 granted at once returns without a schedule point (like ``asyncio.Lock``
 acquired when free): no cancellation can land between the grant and the
 return, so none can lose the blocks; a cancellation already requested is
-delivered at the caller's next await.
+delivered at the caller's next await. Nothing is taken before that first
+send, so a call never awaited holds nothing.
 """
 
 from __future__ import annotations
@@ -130,12 +134,17 @@ class KVCacheManager(_LimitsMixin):
         # int64 array or list, the class's methods below (the checked path).
         self._hot = _core.native.ManagerHotPath(
             self._native, weakref.ref(self), KVCacheManager.alloc_nowait, KVCacheManager.free,
-            KVCacheManager._alloc_refused, KVCacheManager._try_refused, free_refused, self._priorities, _trace, _DEBUG, self._usable)
+            KVCacheManager._alloc_refused, KVCacheManager._try_refused, free_refused, KVCacheManager._alloc_checked,
+            self._priorities, _trace, _DEBUG, self._usable)
         # (A subclass that overrides one of them keeps its own.)
         if type(self).alloc_nowait is KVCacheManager.alloc_nowait:
             self.alloc_nowait = self._hot.alloc_nowait  # type: ignore[method-assign]
         if type(self).free is KVCacheManager.free:
             self.free = self._hot.free  # type: ignore[method-assign]
+        if type(self).alloc is KVCacheManager.alloc:
+            # await alloc with no coroutine frame: a native coroutine whose
+            # first send is the try below; past it, _alloc_checked.
+            self.alloc = self._hot.alloc  # type: ignore[method-assign]
         self._try_alloc = self._hot.try_alloc  # await alloc's first try, bound once
         self._closed = False
         self._watcher: Waiter | None = None
@@ -181,7 +190,7 @@ class KVCacheManager(_LimitsMixin):
         r = self._native.alloc(n)
         if not isinstance(r, _ndarray):
             alloc_failed(r, n)
-        if _trace["level"] <= _DEBUG:
+        if _trace.level <= _DEBUG:
             self._trace_pages()
         return r
 
@@ -205,7 +214,7 @@ class KVCacheManager(_LimitsMixin):
         if not isinstance(r, _ndarray):
             self._alloc_refused(r, n)
         self._at_once += 1
-        if _trace["level"] <= _DEBUG:
+        if _trace.level <= _DEBUG:
             self._trace_pages()
             self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
         return r
@@ -259,7 +268,7 @@ class KVCacheManager(_LimitsMixin):
                     pass
                 else:
                     self._at_once += 1
-                    if _trace["level"] <= _DEBUG:
+                    if _trace.level <= _DEBUG:
                         self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
                     return ids
         # It waits: a schedule point at least, and cancellable from here on.
@@ -439,7 +448,7 @@ class KVCacheManager(_LimitsMixin):
                 available = r
         else:
             available = self.space._free(blocks)
-        if _trace["level"] <= _DEBUG:  # per-request events only when DEBUG is on
+        if _trace.level <= _DEBUG:  # per-request events only when DEBUG is on
             self._log.debug("free", n=len(blocks) if isinstance(blocks, Sized) else None)
             if (released := self._native.last_free_releases):
                 self._log.debug("pages.released", pages=released, by="free")

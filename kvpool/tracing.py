@@ -21,22 +21,25 @@ from typing import Any
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
+from . import _native
+
 __all__ = ["DEBUG", "INFO", "bind_request", "capture", "configure", "enabled", "get_logger"]
 
 DEBUG, INFO = 10, 20
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
-_state: dict[str, Any] = {"level": 30}
-# The same dict, public: hot paths read ``state["level"]`` (one lookup) instead of calling enabled().
-state = _state
+# The level's one owner, native so the hot path's faces read it as a field:
+# Python hot paths read ``state.level`` instead of calling enabled().
+state = _native.TraceLevel()
+_state = state
 
 
 def enabled(level: int) -> bool:
     """Whether events of ``level`` are emitted: hot paths skip building them otherwise."""
-    return bool(level >= _state["level"])
+    return bool(level >= _state.level)
 
 
 def _filter_level(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
-    if _LEVELS.get(method, 20) < _state["level"]:
+    if _LEVELS.get(method, 20) < _state.level:
         raise structlog.DropEvent
     return event
 
@@ -62,7 +65,7 @@ def configure(fmt: str | None = None, level: str | None = None) -> None:
     level = (level or os.environ.get("KVPOOL_LOG_LEVEL", "warning")).lower()
     if level not in _LEVELS:
         raise ValueError(f"KVPOOL_LOG_LEVEL must be one of {sorted(_LEVELS)}, got {level!r}")
-    _state["level"] = _LEVELS[level]
+    _state.level = _LEVELS[level]
     _PROCESSORS[:] = [
         _filter_level,
         structlog.contextvars.merge_contextvars,
@@ -103,11 +106,11 @@ def capture() -> Iterator[list[MutableMapping[str, Any]]]:
         events.append(dict(event))
         raise structlog.DropEvent
 
-    saved, saved_level = list(_PROCESSORS), _state["level"]
+    saved, saved_level = list(_PROCESSORS), _state.level
     _PROCESSORS[:] = [structlog.contextvars.merge_contextvars, _default_request_id, keep]
-    _state["level"] = 0
+    _state.level = 0
     try:
         yield events
     finally:
         _PROCESSORS[:] = saved
-        _state["level"] = saved_level
+        _state.level = saved_level

@@ -121,7 +121,8 @@ async def test_manager_alloc_nowait_await_alloc_and_free_are_one_native_call_eac
         _, frames = python_frames(m.free, ids)
         assert frames == []
         assert ops(m.space) == (before[0] + 1, before[1] + 1)
-        # await alloc granted at once: its own frame and one native call.
+        # await alloc granted at once: one native call and no Python frame
+        # (on 3f47a8d the coroutine's own frame, "alloc", was entered).
         coro = m.alloc(16)
 
         def step() -> Any:
@@ -132,7 +133,7 @@ async def test_manager_alloc_nowait_await_alloc_and_free_are_one_native_call_eac
             raise AssertionError("an alloc granted at once suspended")
 
         ids, frames = python_frames(step)
-        assert frames == ["step", "alloc"] and len(ids) == 16
+        assert frames == ["step"] and len(ids) == 16
         m.free(ids)
         assert ops(m.space) == (before[0] + 2, before[1] + 2)
         assert m.stats().granted_at_once == 3
@@ -174,6 +175,76 @@ async def test_the_manager_hot_path_hands_every_unusual_state_to_the_checked_pat
         m.free(ids)
     with pytest.raises(PoolClosed):
         m.alloc_nowait(1)
+
+
+def test_await_alloc_is_a_coroutine_that_holds_nothing_before_its_first_send() -> None:
+    """The instance's alloc returns a native coroutine: nothing is taken when it is made, so one
+    never awaited, closed or thrown into first leaks nothing; it cannot be reused once done."""
+    import asyncio
+    import collections.abc
+
+    async def main() -> None:
+        async with KVCacheManager(G, pool=None, reserve=(0, 64)) as m:
+            allocs = ops(m.space)[0]
+            coro = m.alloc(8)
+            assert isinstance(coro, collections.abc.Coroutine) and asyncio.iscoroutine(coro)
+            del coro
+            m.alloc(8).close()
+            c = m.alloc(8)
+            with pytest.raises(asyncio.CancelledError):
+                c.throw(asyncio.CancelledError())
+            with pytest.raises(RuntimeError, match="reuse"):
+                c.send(None)
+            with pytest.raises(TypeError):
+                m.alloc(8).send(1)
+            assert ops(m.space)[0] == allocs and m.space.available() == G.capacity
+            # asyncio.create_task takes it; a task cancelled before its first step holds nothing.
+            t = asyncio.create_task(m.alloc(8))
+            ids = await t
+            assert len(ids) == 8
+            t = asyncio.create_task(m.alloc(8))
+            t.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+            assert m.space.available() == G.capacity - 8
+            m.free(ids)
+            # Past a shortage it is the checked coroutine's: it queues, and a cancellation leaks nothing.
+            held = m.alloc_nowait(G.capacity)
+            t = asyncio.create_task(m.alloc(4))
+            while m.waiting == 0:
+                await asyncio.sleep(0)
+            t.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+            assert m.waiting == 0 and m.stats().cancellations == 1
+            m.free(held)
+            assert m.space.available() == G.capacity
+
+    asyncio.run(main())
+
+
+def test_trio_runs_await_alloc_as_a_task_and_waits_in_it() -> None:
+    trio = pytest.importorskip("trio")
+
+    async def main() -> None:
+        async with KVCacheManager(G, pool=None, reserve=(0, 64)) as m:
+            held = m.alloc_nowait(G.capacity)
+            got: list[Any] = []
+
+            async def waiter() -> None:
+                got.append(await m.alloc(4))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(waiter)
+                nursery.start_soon(m.alloc, 2)  # trio takes the native coroutine as a task of its own
+                while m.waiting < 2:
+                    await trio.sleep(0)
+                m.free(held[:6])
+            assert len(got) == 1 and len(got[0]) == 4
+            assert m.space.available() == 0  # the task's 2 blocks stay allocated: trio dropped its result
+            m.free(held[6:])
+
+    trio.run(main)
 
 
 # ------------------------------------------------------------- no page thrash
