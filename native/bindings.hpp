@@ -37,17 +37,18 @@ struct Failure {
 
 // The hot path as every face runs it (bindings_space.cpp). alloc_ids: n ids
 // (an int64 numpy array) or a Failure; free_ids: the blocks available after
-// it (an int) or a Failure; id_buffer: the ids of a free (a canonical int64
+// it (an int; None unless want_available: a pooled tenant's figure scans the
+// ledger, and the hot faces do not read it) or a Failure; id_buffer: the ids of a free (a canonical int64
 // array read in place, or a list of ints copied into scratch), TypeError for
 // anything else.
 nanobind::object alloc_ids(Space& s, int64_t n, bool promised);
-nanobind::object free_ids(Space& s, const int64_t* data, int64_t n);
+nanobind::object free_ids(Space& s, const int64_t* data, int64_t n, bool want_available = true);
 const int64_t* id_buffer(nanobind::handle ids, int64_t* n, std::vector<int64_t>& scratch);
 // The vLLM plugin's forms: alloc_items answers [items[id] for each id] (a
 // list) or a Failure; free_items frees [getattr(item, attr) ...] (ids read
 // natively) as free_ids; available_now is Space.available().
 nanobind::object alloc_items(Space& s, int64_t n, nanobind::handle items, bool promised);
-nanobind::object free_items(Space& s, nanobind::handle items, nanobind::handle attr);
+nanobind::object free_items(Space& s, nanobind::handle items, nanobind::handle attr, bool want_available = true);
 int64_t available_now(Space& s);
 
 // Failure, Space and create_space (bindings_space.cpp); needs Ledger bound first.

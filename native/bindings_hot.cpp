@@ -69,8 +69,8 @@ bool free_fast(Space& s, nb::handle blocks, const nb::object& refused) {
     const int64_t* data = nullptr;
     int64_t n = 0;
     if (!fast_ids(blocks, &data, &n, scratch)) return false;
-    nb::object r = kvpool::bind::free_ids(s, data, n);
-    if (PyLong_CheckExact(r.ptr())) return true;
+    nb::object r = kvpool::bind::free_ids(s, data, n, /*want_available=*/false);
+    if (r.is_none()) return true;
     refused(r);
     throw nb::type_error("free_refused returned instead of raising");
 }

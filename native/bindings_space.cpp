@@ -134,22 +134,23 @@ namespace kvpool::bind {
 
 // Space::free as the binding runs it (ids already read): non-blocking with
 // the GIL held, then (if the core would block) again without it.
-nb::object free_ids(Space& s, const int64_t* data, int64_t n) {
+nb::object free_ids(Space& s, const int64_t* data, int64_t n, bool want_available) {
     std::vector<int64_t> bad;
     int64_t available = 0;
+    int64_t* avail = want_available ? &available : nullptr;  // (a pooled tenant's figure reads the ledger)
     bool release_due = false;
-    Status st = s.free(data, n, &bad, nullptr, &available, /*nonblocking=*/true, &release_due);
+    Status st = s.free(data, n, &bad, nullptr, avail, /*nonblocking=*/true, &release_due);
     if (release_due) {  // no reserve thread: the page syscalls, without the GIL
         nb::gil_scoped_release nogil;
         s.release_inline();
-        available = s.available();
+        if (want_available) available = s.available();
     } else if (st.code == Code::WouldBlock) {
         // The caller's ids stay referenced for the call; the core applies
         // its own validated copy of them.
         nb::gil_scoped_release nogil;
-        st = s.free(data, n, &bad, nullptr, &available);
+        st = s.free(data, n, &bad, nullptr, avail);
     }
-    if (st.is_ok()) return nb::int_(available);
+    if (st.is_ok()) return want_available ? nb::object(nb::int_(available)) : nb::none();
     return nb::cast(Failure{static_cast<int>(st.code), std::move(st.message), available, 0, std::move(bad)});
 }
 
@@ -209,11 +210,11 @@ nb::object alloc_items(Space& s, int64_t n, nb::handle items, bool promised) {
     return nb::steal(out);
 }
 
-nb::object free_items(Space& s, nb::handle items, nb::handle attr) {
+nb::object free_items(Space& s, nb::handle items, nb::handle attr, bool want_available) {
     int64_t n = 0;
     thread_local std::vector<int64_t> scratch;
     const int64_t* data = attr_ids(items, attr, &n, scratch);
-    return free_ids(s, data, n);
+    return free_ids(s, data, n, want_available);
 }
 
 int64_t available_now(Space& s) {
@@ -245,7 +246,8 @@ void kvpool::bind::bind_space(nb::module_& m) {
              nb::sig("def alloc_items(self, n: int, items: list[typing.Any], promised: bool = False) -> list[typing.Any] | Failure"),
              "alloc (alloc_promised if promised) answered as [items[id] for each id]; items: a list with an "
              "entry per block.")
-        .def("free_items", &free_items, "items"_a, "attr"_a,
+        .def("free_items", [](Space& s, nb::handle items, nb::handle attr) { return free_items(s, items, attr, true); },
+             "items"_a, "attr"_a,
             nb::sig("def free_items(self, items: list[typing.Any], attr: str) -> int | Failure"),
             "free of [getattr(item, attr) for item in items] (the ids read natively); as free.")
         .def("alloc_promised", [](Space& s, int64_t n) { return alloc_ids(s, n, true); }, "n"_a,

@@ -99,8 +99,8 @@ struct VllmFreeQueue {
         const Py_ssize_t n = PyList_Size(list.ptr());
         if (n < 0) throw nb::python_error();
         if (n > 0) {
-            nb::object r = kvpool::bind::free_items(*space, list, block_id);
-            if (!PyLong_CheckExact(r.ptr())) {
+            nb::object r = kvpool::bind::free_items(*space, list, block_id, /*want_available=*/false);
+            if (!r.is_none()) {
                 free_refused(r);
                 throw nb::type_error("free_refused returned instead of raising");
             }
