@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
-from . import _native
+from . import _core
 
 __all__ = ["DEBUG", "INFO", "bind_request", "capture", "configure", "enabled", "get_logger"]
 
@@ -29,7 +29,7 @@ DEBUG, INFO = 10, 20
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 # The level's one owner, native so the hot path's faces read it as a field:
 # Python hot paths read ``state.level`` instead of calling enabled().
-state = _native.TraceLevel()
+state = _core.native.TraceLevel()
 _state = state
 
 

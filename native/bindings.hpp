@@ -51,6 +51,23 @@ nanobind::object alloc_items(Space& s, int64_t n, nanobind::handle items, bool p
 nanobind::object free_items(Space& s, nanobind::handle items, nanobind::handle attr, bool want_available = true);
 int64_t available_now(Space& s);
 
+// What an AllocCall (bindings_await.cpp: `await manager.alloc(n)`, a native
+// coroutine) asks of the manager's face that made it (bindings_hot.cpp).
+struct AllocFaceOps {
+    // await alloc's first try: the ids (*granted), else what the checked
+    // coroutine takes first: a Failure (a shortage: it queues) or None (it
+    // checks everything). Throws (nb::python_error) any other refusal.
+    nanobind::object (*first_try)(void* face, nanobind::handle n, nanobind::handle timeout,
+                                  nanobind::handle priority, bool* granted);
+    // The checked coroutine: KVCacheManager._alloc_checked(owner, n, timeout, priority, first).
+    nanobind::object (*checked)(void* face, nanobind::handle owner, nanobind::handle n, nanobind::handle timeout,
+                                nanobind::handle priority, nanobind::handle first);
+};
+// A new AllocCall of `face` (whose Python object is face_obj) for its owner.
+nanobind::object make_alloc_call(nanobind::handle face_obj, void* face, const AllocFaceOps* ops,
+                                 nanobind::handle owner, nanobind::handle n, nanobind::handle timeout,
+                                 nanobind::handle priority);
+
 // Failure, Space and create_space (bindings_space.cpp); needs Ledger bound first.
 void bind_space(nanobind::module_& m);
 // RankStats, RankMemory and attach_rank (bindings_mirror.cpp).

@@ -41,7 +41,9 @@ bool plain_int(PyObject* o, int64_t* v) {
 
 // The Python object a face belongs to (its weak reference's target).
 nb::object owner_of(const nb::object& ref, const char* what) {
-    nb::object o = ref();
+    PyObject* target = PyWeakref_GetObject(ref.ptr());  // borrowed; None once it is gone
+    if (target == nullptr) throw nb::python_error();
+    nb::object o = nb::borrow(target);
     if (o.is_none()) throw nb::type_error((std::string("the ") + what + " this method was bound to is gone").c_str());
     return o;
 }
@@ -173,252 +175,26 @@ struct ManagerHotPath {
     }
 };
 
-// `await manager.alloc(n)` with no Python frame (issue 12): the manager binds
-// ManagerHotPath.alloc on the instance, and it returns an AllocCall, a native
-// coroutine. Its first send is await alloc's first try (try_alloc): granted at
-// once, it returns the ids right there, so no schedule point lies between the
-// grant and the return and no cancellation of any library can lose them (issue
-// 10, D1). Anything else (a shortage, an unusual state, a timeout or priority)
-// builds the checked coroutine, KVCacheManager._alloc_checked, and every send,
-// throw and close from then on is that coroutine's. Nothing is taken before the
-// first send: a call never awaited, closed or thrown into first holds nothing.
-//
-// It is a coroutine by collections.abc.Coroutine (__await__, send, throw,
-// close), so asyncio.create_task and trio's start_soon take it, and it has
-// am_send, so `await` and asyncio's Task drive it without raising StopIteration.
-struct AllocCall {
-    PyObject_HEAD
-    PyObject* face;      // the ManagerHotPath (strong)
-    ManagerHotPath* hot;
-    PyObject* n;
-    PyObject* timeout;
-    PyObject* priority;
-    PyObject* inner;     // the checked coroutine, once taken
-    int state;           // Fresh, Delegating or Done
-};
-
-enum : int { Fresh = 0, Delegating = 1, Done = 2 };
-
-PyTypeObject* alloc_call_type = nullptr;
-
-int alloc_call_traverse(PyObject* o, visitproc visit, void* arg) {
-    auto* c = reinterpret_cast<AllocCall*>(o);
-    Py_VISIT(Py_TYPE(o));
-    Py_VISIT(c->face);
-    Py_VISIT(c->n);
-    Py_VISIT(c->timeout);
-    Py_VISIT(c->priority);
-    Py_VISIT(c->inner);
-    return 0;
-}
-
-int alloc_call_clear(PyObject* o) {
-    auto* c = reinterpret_cast<AllocCall*>(o);
-    Py_CLEAR(c->face);
-    Py_CLEAR(c->n);
-    Py_CLEAR(c->timeout);
-    Py_CLEAR(c->priority);
-    Py_CLEAR(c->inner);
-    c->hot = nullptr;
-    c->state = Done;
-    return 0;
-}
-
-void alloc_call_dealloc(PyObject* o) {
-    PyTypeObject* tp = Py_TYPE(o);
-    if (PyObject_GC_IsTracked(o)) PyObject_GC_UnTrack(o);
-    alloc_call_clear(o);
-    PyObject_GC_Del(o);
-    Py_DECREF(tp);
-}
-
-void finish(AllocCall* c) {
-    c->state = Done;
-    Py_CLEAR(c->inner);
-}
-
-// The first send: try_alloc, then (not granted) the checked coroutine.
-PySendResult alloc_call_start(AllocCall* c, PyObject* arg, PyObject** result) {
-    *result = nullptr;
-    if (arg != Py_None) {
-        c->state = Done;
-        PyErr_SetString(PyExc_TypeError, "can't send non-None value to a just-started coroutine");
-        return PYGEN_ERROR;
-    }
-    nb::object first;
+// The manager face's side of an AllocCall (bindings_await.cpp).
+nb::object alloc_first_try(void* face, nb::handle n, nb::handle timeout, nb::handle priority, bool* granted) {
+    auto* hot = static_cast<ManagerHotPath*>(face);
     int64_t p = -1;
-    try {
-        if (c->timeout == Py_None && plain_int(c->priority, &p) && p == 0) {
-            first = c->hot->try_alloc(nb::handle(c->n));
-            if (is_ids(first)) {
-                c->state = Done;
-                *result = first.release().ptr();
-                return PYGEN_RETURN;
-            }
-        } else {
-            first = nb::none();
-        }
-        nb::object owner = owner_of(c->hot->owner, "KVCacheManager");
-        nb::object coro = c->hot->checked_await(owner, nb::handle(c->n), nb::handle(c->timeout),
-                                                nb::handle(c->priority), first);
-        c->inner = coro.release().ptr();
-    } catch (nb::python_error& e) {
-        c->state = Done;
-        e.restore();
-        return PYGEN_ERROR;
-    } catch (const nb::builtin_exception& e) {  // owner_of: the manager is gone
-        c->state = Done;
-        PyErr_SetString(PyExc_TypeError, e.what());
-        return PYGEN_ERROR;
-    } catch (const std::exception& e) {
-        c->state = Done;
-        PyErr_SetString(PyExc_RuntimeError, e.what());
-        return PYGEN_ERROR;
-    }
-    c->state = Delegating;
-    PyObject_GC_Track(reinterpret_cast<PyObject*>(c));  // it may now sit in a cycle through a waiting task
-    const PySendResult r = PyIter_Send(c->inner, Py_None, result);
-    if (r != PYGEN_NEXT) finish(c);
-    return r;
+    nb::object first = timeout.is_none() && plain_int(priority.ptr(), &p) && p == 0 ? hot->try_alloc(n) : nb::none();
+    *granted = is_ids(first);
+    return first;
 }
 
-PySendResult alloc_call_send(PyObject* o, PyObject* arg, PyObject** result) {
-    auto* c = reinterpret_cast<AllocCall*>(o);
-    switch (c->state) {
-        case Fresh: return alloc_call_start(c, arg, result);
-        case Delegating: {
-            const PySendResult r = PyIter_Send(c->inner, arg, result);
-            if (r != PYGEN_NEXT) finish(c);
-            return r;
-        }
-        default:
-            *result = nullptr;
-            PyErr_SetString(PyExc_RuntimeError, "cannot reuse already awaited coroutine");
-            return PYGEN_ERROR;
-    }
+nb::object alloc_checked(void* face, nb::handle owner, nb::handle n, nb::handle timeout, nb::handle priority,
+                         nb::handle first) {
+    return static_cast<ManagerHotPath*>(face)->checked_await(owner, n, timeout, priority, first);
 }
 
-// A send's result as a Python call returns it: the value yielded, or
-// StopIteration(value) raised for the value returned.
-PyObject* as_call(PySendResult r, PyObject* result) {
-    if (r == PYGEN_NEXT) return result;
-    if (r == PYGEN_ERROR) return nullptr;
-    PyObject* stop = PyObject_CallOneArg(PyExc_StopIteration, result);
-    Py_DECREF(result);
-    if (stop == nullptr) return nullptr;
-    PyErr_SetObject(PyExc_StopIteration, stop);
-    Py_DECREF(stop);
-    return nullptr;
-}
+const kvpool::bind::AllocFaceOps alloc_face_ops{alloc_first_try, alloc_checked};
 
-PyObject* alloc_call_send_method(PyObject* o, PyObject* arg) {
-    PyObject* result = nullptr;
-    const PySendResult r = alloc_call_send(o, arg, &result);  // (before result is read)
-    return as_call(r, result);
-}
-
-PyObject* alloc_call_iternext(PyObject* o) { return alloc_call_send_method(o, Py_None); }
-
-// throw(exc) / throw(type[, value[, traceback]]): the checked coroutine's
-// once taken; before that nothing is held, so the exception is raised as a
-// coroutine that never started raises it.
-PyObject* alloc_call_throw(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
-    auto* c = reinterpret_cast<AllocCall*>(o);
-    if (nargs < 1 || nargs > 3) {
-        PyErr_SetString(PyExc_TypeError, "throw expected 1 to 3 arguments");
-        return nullptr;
-    }
-    if (c->state == Delegating) {
-        PyObject* inner = c->inner;
-        Py_INCREF(inner);
-        PyObject* meth = PyObject_GetAttrString(inner, "throw");
-        PyObject* r = meth == nullptr ? nullptr : PyObject_Vectorcall(meth, args, static_cast<size_t>(nargs), nullptr);
-        Py_XDECREF(meth);
-        Py_DECREF(inner);
-        if (r == nullptr) finish(c);
-        return r;
-    }
-    c->state = Done;
-    PyObject* typ = args[0];
-    PyObject* val = nargs > 1 ? args[1] : Py_None;
-    PyObject* tb = nargs > 2 ? args[2] : Py_None;
-    if (PyExceptionInstance_Check(typ)) {
-        if (val != Py_None) {
-            PyErr_SetString(PyExc_TypeError, "instance exception may not have a separate value");
-            return nullptr;
-        }
-        PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(typ)), typ);
-    } else if (PyExceptionClass_Check(typ)) {
-        PyErr_SetObject(typ, val);
-    } else {
-        PyErr_Format(PyExc_TypeError, "exceptions must be classes or instances deriving from BaseException, not %s",
-                     Py_TYPE(typ)->tp_name);
-        return nullptr;
-    }
-    if (tb != Py_None) {
-        PyObject *t = nullptr, *v = nullptr, *old = nullptr;
-        PyErr_Fetch(&t, &v, &old);
-        PyErr_NormalizeException(&t, &v, &old);
-        Py_XDECREF(old);
-        if (v != nullptr) PyException_SetTraceback(v, tb);
-        PyErr_Restore(t, v, Py_NewRef(tb));
-    }
-    return nullptr;
-}
-
-PyObject* alloc_call_close(PyObject* o, PyObject*) {
-    auto* c = reinterpret_cast<AllocCall*>(o);
-    if (c->state == Delegating) {
-        PyObject* inner = c->inner;
-        Py_INCREF(inner);
-        PyObject* r = PyObject_CallMethod(inner, "close", nullptr);
-        Py_DECREF(inner);
-        finish(c);
-        return r;
-    }
-    c->state = Done;
-    Py_RETURN_NONE;
-}
-
-PyObject* alloc_call_await(PyObject* o) { return Py_NewRef(o); }
-
-PyMethodDef alloc_call_methods[] = {
-    {"send", alloc_call_send_method, METH_O, "Send a value into the call (None first)."},
-    {"throw", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(alloc_call_throw)), METH_FASTCALL,
-     "Raise an exception in the call: the checked coroutine's once taken, else at its start (nothing is held)."},
-    {"close", alloc_call_close, METH_NOARGS, "Close the call (the checked coroutine's close once taken)."},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-PyType_Slot alloc_call_slots[] = {
-    {Py_tp_dealloc, reinterpret_cast<void*>(alloc_call_dealloc)},
-    {Py_tp_traverse, reinterpret_cast<void*>(alloc_call_traverse)},
-    {Py_tp_clear, reinterpret_cast<void*>(alloc_call_clear)},
-    {Py_tp_iternext, reinterpret_cast<void*>(alloc_call_iternext)},
-    {Py_tp_methods, alloc_call_methods},
-    {Py_am_await, reinterpret_cast<void*>(alloc_call_await)},
-    {Py_am_send, reinterpret_cast<void*>(alloc_call_send)},
-    {Py_tp_doc, const_cast<char*>("`await manager.alloc(n)`: a native coroutine. Its first send grants at once "
-                                  "(returning the ids with no schedule point) or hands over to the checked "
-                                  "coroutine, KVCacheManager._alloc_checked; nothing is held before that send.")},
-    {0, nullptr},
-};
-
-PyType_Spec alloc_call_spec = {"kvpool._native.AllocCall", sizeof(AllocCall), 0,
-                               Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, alloc_call_slots};
-
-nb::object make_alloc_call(nb::pointer_and_handle<ManagerHotPath> self, nb::handle n, nb::handle timeout,
+nb::object manager_alloc(nb::pointer_and_handle<ManagerHotPath> self, nb::handle n, nb::handle timeout,
                            nb::handle priority) {
-    auto* c = PyObject_GC_New(AllocCall, alloc_call_type);
-    if (c == nullptr) throw nb::python_error();  // (a heap type: PyObject_GC_New took its reference)
-    c->face = Py_NewRef(self.h.ptr());
-    c->hot = self.p;
-    c->n = Py_NewRef(n.ptr());
-    c->timeout = Py_NewRef(timeout.ptr());
-    c->priority = Py_NewRef(priority.ptr());
-    c->inner = nullptr;
-    c->state = Fresh;
-    return nb::steal(reinterpret_cast<PyObject*>(c));
+    nb::object owner = owner_of(self.p->owner, "KVCacheManager");
+    return kvpool::bind::make_alloc_call(self.h, self.p, &alloc_face_ops, owner, n, timeout, priority);
 }
 
 }  // namespace
@@ -427,10 +203,6 @@ void kvpool::bind::bind_hot_path(nb::module_& m) {
     nb::class_<TraceLevel>(m, "TraceLevel", "kvpool.tracing's level (its one owner): the hot path reads it natively.")
         .def(nb::init<>())
         .def_rw("level", &TraceLevel::level, "Events below this level are not emitted (logging's numbers).");
-    alloc_call_type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&alloc_call_spec));
-    if (alloc_call_type == nullptr) throw nb::python_error();
-    // Not a module attribute: nothing constructs one but ManagerHotPath.alloc,
-    // and the stub types it as the Coroutine it is.
     nb::class_<SpaceHotPath>(m, "SpaceHotPath",
                              "KVSpace.alloc / free as one native call each (kvpool.space binds them on the instance).")
         .def(
@@ -489,7 +261,7 @@ void kvpool::bind::bind_hot_path(nb::module_& m) {
         .def("try_alloc", &ManagerHotPath::try_alloc, "n"_a,
              nb::sig("def try_alloc(self, n: typing.Any) -> numpy.typing.NDArray[numpy.int64] | Failure | None"),
              "await alloc's first try: ids, a Failure (a shortage: queue) or None (take the checked path).")
-        .def("alloc", &make_alloc_call, "n"_a, nb::kw_only(), "timeout"_a = nb::none(), "priority"_a = 0,
+        .def("alloc", &manager_alloc, "n"_a, nb::kw_only(), "timeout"_a = nb::none(), "priority"_a = 0,
              nb::sig("def alloc(self, n: int, *, timeout: float | None = None, priority: int = 0) -> "
                      "collections.abc.Coroutine[typing.Any, typing.Any, numpy.typing.NDArray[numpy.int64]]"),
              "await KVCacheManager.alloc: an AllocCall (granted at once on its first send, else the checked "

@@ -179,25 +179,40 @@ async def test_the_manager_hot_path_hands_every_unusual_state_to_the_checked_pat
 
 def test_await_alloc_is_a_coroutine_that_holds_nothing_before_its_first_send() -> None:
     """The instance's alloc returns a native coroutine: nothing is taken when it is made, so one
-    never awaited, closed or thrown into first leaks nothing; it cannot be reused once done."""
+    never awaited, closed or thrown into first leaks nothing; it cannot be reused once done; it
+    answers odd sends and throws as CPython's coroutines do."""
     import asyncio
     import collections.abc
+    import gc
 
     async def main() -> None:
         async with KVCacheManager(G, pool=None, reserve=(0, 64)) as m:
             allocs = ops(m.space)[0]
             coro = m.alloc(8)
             assert isinstance(coro, collections.abc.Coroutine) and asyncio.iscoroutine(coro)
-            del coro
+            with pytest.warns(RuntimeWarning, match="'KVCacheManager.alloc' was never awaited"):
+                del coro
+                gc.collect()
             m.alloc(8).close()
             c = m.alloc(8)
             with pytest.raises(asyncio.CancelledError):
                 c.throw(asyncio.CancelledError())
             with pytest.raises(RuntimeError, match="reuse"):
                 c.send(None)
+            c = m.alloc(8)
             with pytest.raises(TypeError):
-                m.alloc(8).send(1)
+                c.send(1)  # it stays unstarted, as a coroutine does
+            with pytest.raises(TypeError, match="traceback"):
+                c.throw(ValueError, ValueError("v"), "not a traceback")
+            with pytest.raises(RuntimeError, match="raised StopIteration") as raised:
+                c.throw(StopIteration(42))  # PEP 479, as a coroutine that never started
+            assert isinstance(raised.value.__cause__, StopIteration)
+            with pytest.raises(RuntimeError, match="reuse"):
+                c.throw(ValueError("late"))
             assert ops(m.space)[0] == allocs and m.space.available() == G.capacity
+            with pytest.raises(TypeError):
+                type(c)()  # only a manager makes one
+            gc.collect()
             # asyncio.create_task takes it; a task cancelled before its first step holds nothing.
             t = asyncio.create_task(m.alloc(8))
             ids = await t
@@ -221,6 +236,47 @@ def test_await_alloc_is_a_coroutine_that_holds_nothing_before_its_first_send() -
             assert m.space.available() == G.capacity
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("op", ["send", "throw", "close"])
+def test_await_alloc_refuses_re_entry_while_its_checked_coroutine_runs(op: str) -> None:
+    """A send, throw or close from inside the running call (here from an int subclass that the
+    checked path converts) is refused as a coroutine refuses it; the call goes on. Before the
+    running flag the first try ran unguarded, and the inner coroutine was dropped under its
+    own send (a segfault)."""
+    import asyncio
+
+    calls: list[Any] = []
+    refused: list[str] = []
+
+    class N(int):  # not a plain int: the checked path converts it, calling back here
+        def __index__(self) -> int:
+            c = calls[0]
+            try:
+                if op == "send":
+                    c.send(None)
+                elif op == "throw":
+                    c.throw(ValueError("nested"))
+                else:
+                    c.close()
+            except ValueError as e:
+                refused.append(str(e))
+            return 2
+
+        __int__ = __index__
+
+    async def main() -> None:
+        async with KVCacheManager(G, pool=None, reserve=(0, 64)) as m:
+            c = m.alloc(N(2))
+            calls.append(c)
+            assert c.cr_running is False
+            ids = await c
+            assert len(ids) == 2
+            m.free(ids)
+            assert m.space.available() == G.capacity
+
+    asyncio.run(main())
+    assert refused and all(r == "coroutine already executing" for r in refused)
 
 
 def test_trio_runs_await_alloc_as_a_task_and_waits_in_it() -> None:
