@@ -337,14 +337,14 @@ PyObject* get_await(PyObject* o, void*) {
     AllocCall* c = as_call(o);
     return Py_NewRef(c->state == Delegating && c->inner != nullptr ? c->inner : Py_None);
 }
-PyObject* get_none(PyObject*, void*) { Py_RETURN_NONE; }
+// No cr_frame: it has no frame of its own, and a framework that finds none
+// (trio: hasattr(coro, "cr_frame") in older releases) wraps it in one.
 
 PyGetSetDef getset[] = {
     {"__name__", get_name, nullptr, nullptr, nullptr},
     {"__qualname__", get_qualname, nullptr, nullptr, nullptr},
     {"cr_running", get_running, nullptr, "Inside a send, throw or close.", nullptr},
     {"cr_await", get_await, nullptr, "The checked coroutine it forwards to, once taken (else None).", nullptr},
-    {"cr_frame", get_none, nullptr, "None: it runs no Python frame of its own.", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
