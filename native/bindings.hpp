@@ -38,9 +38,9 @@ struct Failure {
 // The hot path as every face runs it (bindings_space.cpp). alloc_ids: n ids
 // (an int64 numpy array) or a Failure; free_ids: the blocks available after
 // it (an int; None unless want_available: a pooled tenant's figure scans the
-// ledger, and the hot faces do not read it) or a Failure; id_buffer: the ids of a free (a canonical int64
-// array read in place, or a list of ints copied into scratch), TypeError for
-// anything else.
+// ledger, and the hot faces do not read it) or a Failure; id_buffer: the ids
+// of a free (a canonical int64 array read in place, or a list of ints copied
+// into scratch), TypeError for anything else.
 nanobind::object alloc_ids(Space& s, int64_t n, bool promised);
 nanobind::object free_ids(Space& s, const int64_t* data, int64_t n, bool want_available = true);
 const int64_t* id_buffer(nanobind::handle ids, int64_t* n, std::vector<int64_t>& scratch);
