@@ -119,6 +119,28 @@ struct Running {
 // go of everything at once, as a finished coroutine drops its frame.
 void retire(AllocCall* c) { clear(reinterpret_cast<PyObject*>(c)); }
 
+// One call into the checked coroutine (a send, throw or close): made with it
+// held and the call marked running; retired when `over(result)` says the
+// coroutine is done.
+template <class R, class Call, class Over>
+R drive(AllocCall* c, Call&& call, Over&& over) {
+    PyObject* driven = Py_NewRef(c->inner);
+    R r;
+    {
+        Running run(c);
+        r = call(driven);
+    }
+    if (over(r)) retire(c);
+    Py_DECREF(driven);
+    return r;
+}
+
+PySendResult forward_send(AllocCall* c, PyObject* arg, PyObject** result) {
+    return drive<PySendResult>(
+        c, [&](PyObject* inner) { return PyIter_Send(inner, arg, result); },
+        [](PySendResult r) { return r != PYGEN_NEXT; });
+}
+
 // Runs a C++ call that may throw, as a Python error (false: error set).
 template <class F>
 bool guarded(F&& f) {
@@ -160,15 +182,7 @@ PySendResult start(AllocCall* c, PyObject** result) {
     }
     c->inner = coro.release().ptr();
     c->state = Delegating;
-    PyObject* driven = Py_NewRef(c->inner);
-    PySendResult r;
-    {
-        Running run(c);
-        r = PyIter_Send(driven, Py_None, result);
-    }
-    if (r != PYGEN_NEXT) retire(c);
-    Py_DECREF(driven);
-    return r;
+    return forward_send(c, Py_None, result);
 }
 
 PySendResult am_send(PyObject* o, PyObject* arg, PyObject** result) {
@@ -186,15 +200,7 @@ PySendResult am_send(PyObject* o, PyObject* arg, PyObject** result) {
         }
         return start(c, result);
     }
-    PyObject* driven = Py_NewRef(c->inner);
-    PySendResult r;
-    {
-        Running run(c);
-        r = PyIter_Send(driven, arg, result);
-    }
-    if (r != PYGEN_NEXT) retire(c);
-    Py_DECREF(driven);
-    return r;
+    return forward_send(c, arg, result);
 }
 
 // A send's result as a Python method returns it: the value yielded, or
@@ -263,17 +269,16 @@ PyObject* throw_(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
     AllocCall* c = as_call(o);
     if (c->state == Delegating) {
         if (!enter(c)) return nullptr;
-        PyObject* driven = Py_NewRef(c->inner);
-        PyObject* r = nullptr;
-        {
-            Running run(c);
-            PyObject* meth = PyObject_GetAttrString(driven, "throw");
-            if (meth != nullptr) r = PyObject_Vectorcall(meth, args, static_cast<size_t>(nargs), nullptr);
-            Py_XDECREF(meth);
-        }
-        if (r == nullptr) retire(c);  // the exception left the checked coroutine: it is done
-        Py_DECREF(driven);
-        return r;
+        return drive<PyObject*>(
+            c,
+            [&](PyObject* inner) -> PyObject* {
+                PyObject* meth = PyObject_GetAttrString(inner, "throw");
+                PyObject* r = meth == nullptr ? nullptr
+                                              : PyObject_Vectorcall(meth, args, static_cast<size_t>(nargs), nullptr);
+                Py_XDECREF(meth);
+                return r;
+            },
+            [](PyObject* r) { return r == nullptr; });  // the exception left the checked coroutine: it is done
     }
     PyObject *t = nullptr, *v = nullptr, *tb = nullptr;
     if (!throw_args(args, nargs, &t, &v, &tb)) return nullptr;
@@ -317,15 +322,9 @@ PyObject* close(PyObject* o, PyObject*) {
         Py_RETURN_NONE;
     }
     if (!enter(c)) return nullptr;
-    PyObject* driven = Py_NewRef(c->inner);
-    PyObject* r;
-    {
-        Running run(c);
-        r = PyObject_CallMethod(driven, "close", nullptr);
-    }
-    retire(c);
-    Py_DECREF(driven);
-    return r;
+    return drive<PyObject*>(
+        c, [](PyObject* inner) { return PyObject_CallMethod(inner, "close", nullptr); },
+        [](PyObject*) { return true; });
 }
 
 PyObject* await_(PyObject* o) { return Py_NewRef(o); }
