@@ -1,6 +1,7 @@
 """kvpool native core (private: use the kvpool package)"""
 
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+import enum
 from typing import Annotated, Any, NoReturn
 import weakref
 
@@ -152,6 +153,18 @@ class SpaceStats:
     @property
     def backend(self) -> str: ...
 
+class LastExit(enum.Enum):
+    """How a pool's last tenant to go went."""
+
+    NONE = 0
+    """no tenant has gone yet"""
+
+    LEFT = 1
+    """it left cleanly (closed its space)"""
+
+    DIED = 2
+    """it died without leaving and was reaped"""
+
 class TenantRow:
     """One live tenant as a ledger snapshot read it."""
 
@@ -230,6 +243,9 @@ class LedgerSnapshot:
     def generation(self) -> int: ...
 
     @property
+    def last_exit(self) -> LastExit: ...
+
+    @property
     def rows(self) -> list[TenantRow]: ...
 
     @property
@@ -237,6 +253,16 @@ class LedgerSnapshot:
 
     def guarantee_of(self, row: TenantRow) -> int:
         """A tenant's guarantee in force: explicit, or the equal default share."""
+
+def format_size(bytes: int) -> str:
+    """
+    Bytes as people read them: binary units, one decimal ('128.0 MiB', '1.0 PiB'); under 1 KiB 'N B'.
+    """
+
+def format_size_exact(bytes: int) -> str:
+    """
+    format_size, with the exact count where that rounds: '11.8 MiB (12345678 bytes)'.
+    """
 
 def cpu_granularity() -> int:
     """Smallest page size step of the CPU backend."""

@@ -28,9 +28,9 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from ._sizes import format_size
 from .pool import Pool, TenantInfo
 
-MiB = 1 << 20
 # The fields this ledger's tenants have: a column whose field is not among them is left out.
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TenantInfo))
 SOFT_NAME = 20  # names shrink to this before any column is left out
@@ -45,8 +45,8 @@ def snapshot(pool: Pool) -> dict[str, Any]:
             "tenants": [dataclasses.asdict(t) for t in snap.tenants]}
 
 
-def fmt_mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / MiB:.1f}"
+def fmt_size(n: int | None) -> str:
+    return "-" if n is None else format_size(n)
 
 
 def _state(t: dict[str, Any]) -> Text:
@@ -70,10 +70,10 @@ class Column:
 # One row per column after TENANT, in display order.
 COLUMNS: tuple[Column, ...] = (
     Column("PID", "pid", lambda t: str(t["pid"])),
-    Column("COMMITTED", "committed_bytes", lambda t: fmt_mib(t.get("committed_bytes"))),
-    Column("GUARANTEE", "guarantee_bytes", lambda t: fmt_mib(t.get("guarantee_bytes"))),
-    Column("BORROWED", "borrowed_bytes", lambda t: fmt_mib(t.get("borrowed_bytes"))),
-    Column("LIMIT", "limit_bytes", lambda t: fmt_mib(t.get("limit_bytes"))),
+    Column("COMMITTED", "committed_bytes", lambda t: fmt_size(t.get("committed_bytes"))),
+    Column("GUARANTEE", "guarantee_bytes", lambda t: fmt_size(t.get("guarantee_bytes"))),
+    Column("BORROWED", "borrowed_bytes", lambda t: fmt_size(t.get("borrowed_bytes"))),
+    Column("LIMIT", "limit_bytes", lambda t: fmt_size(t.get("limit_bytes"))),
     Column("WAITING", "waiting", lambda t: str(t.get("waiting", "-"))),
     Column("IDLE PAGES", "reserve_pages", lambda t: str(t.get("reserve_pages", "-"))),
     Column("STATE", "limit_state", _state, justify="left"),
@@ -97,8 +97,8 @@ def _title(snap: dict[str, Any]) -> Text:
     cap, used = snap["capacity"], snap["committed"]
     pct = 100.0 * used / cap if cap else 0.0
     return Text.assemble("pool ", (str(snap["pool"]), "bold"),
-                         f": {fmt_mib(used)} / {fmt_mib(cap)} MiB committed ({pct:.1f}%), "
-                         f"{len(snap['tenants'])} tenants; sizes in MiB")
+                         f": {fmt_size(used)} of {fmt_size(cap)} committed ({pct:.1f}%), "
+                         f"{len(snap['tenants'])} tenants")
 
 
 def _build(snap: dict[str, Any], names: Sequence[str], columns: Sequence[Column]) -> Table:

@@ -24,10 +24,11 @@ from __future__ import annotations
 import math
 import reprlib
 import sys
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import numpy as np
-import numpy.typing as npt
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 from .errors import InvalidBlocks
 
@@ -64,8 +65,26 @@ def shown(value: object) -> str:
     return r if len(r) <= SHOWN_CHARS else f"{r[:SHOWN_CHARS]}..."
 
 
+# numpy is imported where arrays are made, not here: the operator commands
+# (`kvpool pools`, `limit`) validate their values through this module and
+# never need it (issue 32: it was half their start-up). A numpy scalar can
+# only exist in a process that imported numpy, so its types are looked up
+# in sys.modules.
+
+
+def _np_types(*names: str) -> tuple[type, ...]:
+    np_mod = sys.modules.get("numpy")
+    return tuple(getattr(np_mod, n) for n in names) if np_mod is not None else ()
+
+
+def _is_bool(value: object) -> bool:
+    return isinstance(value, (bool, *_np_types("bool_")))
+
+
 def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or isinstance(value, _np_types("integer"))
 
 
 def integer(name: str, value: object, *, lo: int = 0, hi: int = INT64_MAX) -> int:
@@ -88,9 +107,9 @@ def optional_integer(name: str, value: object, *, lo: int = 0, hi: int = INT64_M
 
 def seconds(name: str, value: object, *, allow_inf: bool = True) -> float:
     """A non-negative number of seconds (bools and NaN refused)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if _is_bool(value) or not isinstance(value, (int, float, *_np_types("integer", "floating"))):
         raise ValueError(f"{name} must be a number of seconds, got {shown(value)}")
-    v = float(value)
+    v = float(cast(Any, value))
     if math.isnan(v) or v < 0 or (math.isinf(v) and not allow_inf):
         bound = "" if allow_inf else " and finite"
         raise ValueError(f"{name} must be >= 0{bound} seconds, got {shown(value)}")
@@ -99,7 +118,7 @@ def seconds(name: str, value: object, *, allow_inf: bool = True) -> float:
 
 def flag(name: str, value: object) -> bool:
     """A real bool (``"no"`` or ``0`` would read as a wish of the other sign)."""
-    if not isinstance(value, (bool, np.bool_)):
+    if not _is_bool(value):
         raise TypeError(f"{name} must be True or False, got {shown(value)}")
     return bool(value)
 
@@ -149,6 +168,8 @@ def int_array(what: str, values: object, error: type[ValueError] = ValueError) -
     raised, naming the offending values, for bools, non-integers and ints
     beyond int64; range checks against the space are the native core's.
     """
+
+    import numpy as np
 
     def fail(message: str, bad: list[int] | None = None) -> ValueError:
         return InvalidBlocks(message, bad or []) if issubclass(error, InvalidBlocks) else error(message)

@@ -7,13 +7,19 @@ Operator commands on the pools of this host (they read and write the shared
 ledger only; no tenant process runs Python for them):
 
 - ``kvpool pools [POOL ...]``: every pool (or the named ones) with its
-  capacity, committed bytes, tenants, marked ``stale`` when no live tenant is
-  left; ``--gc`` removes those.
+  capacity, committed bytes, tenants and status: ``in use``, ``empty`` (no
+  tenant yet, or all left cleanly: a pool made for servers about to start)
+  or ``stale`` (its last tenant died without leaving); ``--gc`` removes the
+  stale ones, ``--gc --empty`` the empty ones too.
 - ``kvpool top [POOL]``: a live table of a pool's tenants (default pool:
   ``$KVPOOL_POOL``, else ``default``; ``--once`` for one snapshot, ``--once
   --json`` for a JSON object; piped, one table per interval).
 - ``kvpool limit POOL TENANT SIZE [--min SIZE]``: cap a tenant's committed bytes (``none``
-  clears); prints ``applied``, ``same``, ``stale`` or ``conflict``.
+  clears) and optionally guarantee it ``--min``; prints ``applied``, ``same``,
+  ``stale`` or ``conflict``. Every value is checked before anything is
+  applied, and a guarantee the pool refuses takes the limit back: the
+  command changes both or neither. Sizes need a unit (``512MiB``, ``2G``,
+  ``4096B``).
 - ``kvpool metrics [POOL ...]``: the Prometheus text exposition, once, or
   served on ``/metrics`` with ``--listen HOST:PORT`` (:mod:`kvpool.metrics`).
 
@@ -42,35 +48,20 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
+from . import _sizes
+from ._sizes import format_size, format_size_exact
 from .errors import KVPoolError, LedgerError
 from .pool import Pool, check_pool_name, default_pool_name, ledger_path, list_pools
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
-MiB = 1 << 20
-
-
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmg](?:i?b)?|b)?\s*", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
 def parse_size(text: str) -> int | None:
-    """``"512"``, ``"64K"``, ``"1.5GiB"``, ``"100mb"`` -> bytes (binary units); ``"none"`` -> None."""
-    if text.strip().lower() == "none":
-        return None
-    m = _SIZE.fullmatch(text)
-    if m is None:
-        raise argparse.ArgumentTypeError(
-            f"bad size {text!r}: use bytes, a number with K, M, G, KiB, MiB or GiB, or 'none'"
-        )
-    unit = (m.group(2) or "").lower()
-    mult = _UNITS[unit[:1]]
-    num = m.group(1)
-    if "." in num:
-        value = float(num) * mult
-        if value != int(value):
-            raise argparse.ArgumentTypeError(f"bad size {text!r}: not a whole number of bytes")
-        return int(value)
-    return int(num) * mult
+    """``"512MiB"``, ``"1.5G"``, ``"4096B"`` -> bytes; ``"none"`` -> None (:func:`kvpool._sizes.parse_size`)."""
+    try:
+        return _sizes.parse_size(text)
+    except _sizes.SizeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_float(text: str) -> float:
@@ -83,8 +74,8 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def _fmt_mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / MiB:.1f}"
+def _fmt(n: int | None) -> str:
+    return "-" if n is None else format_size(n)
 
 
 def _error(msg: object) -> int:
@@ -110,18 +101,18 @@ def open_pool(name: str) -> Pool:
 def _pool_row(name: str) -> dict[str, Any]:
     try:
         pool = Pool(name, create=False)
-        pool.reap()  # what is left is alive
+        pool.reap()  # what is left is alive (a dead tenant reaped here makes the pool stale)
         snap = pool.snapshot()  # one read: the total is the sum of these rows
-        tenants = snap.tenants
     except (KVPoolError, OSError) as e:  # another user's pool (0600), another ledger layout, ...
-        return {"name": name, "capacity": None, "committed": None, "tenants": None, "stale": None,
-                "error": str(e)}
-    return {"name": name, "capacity": snap.capacity, "committed": snap.committed, "tenants": len(tenants),
-            "stale": not tenants}
+        return {"name": name, "capacity": None, "committed": None, "tenants": None, "status": None,
+                "stale": None, "error": str(e)}
+    return {"name": name, "capacity": snap.capacity, "committed": snap.committed, "tenants": len(snap.tenants),
+            "status": snap.status, "stale": snap.status == "stale"}
 
 
-def remove_if_stale(name: str) -> bool:
-    """Remove a pool's ledger if no live tenant is left in it; True if removed.
+def remove_if_unused(name: str, *, empty: bool = False) -> bool:
+    """Remove a pool's ledger if no live tenant is left and it is stale (its
+    last tenant died), or, with ``empty``, also if it is empty; True if removed.
 
     Liveness is the ledger's own: ``tenants()`` reaps the dead (pid + start
     time) and returns the live. The file is removed only if it is still the
@@ -133,7 +124,10 @@ def remove_if_stale(name: str) -> bool:
     path = ledger_path(name)
     try:
         before = os.stat(path).st_ino
-        if Pool(name, create=False).tenants():
+        pool = Pool(name, create=False)
+        if pool.tenants():
+            return False
+        if pool.snapshot().status != "stale" and not empty:
             return False
         if os.stat(path).st_ino != before:
             return False
@@ -144,6 +138,8 @@ def remove_if_stale(name: str) -> bool:
 
 
 def pools(args: argparse.Namespace) -> int:
+    if args.empty and not args.gc:
+        return _error("--empty needs --gc (it says which pools --gc removes)")
     names = list_pools()
     if args.pools:  # only these (and a named pool that does not exist is an error, not a silent no-op)
         try:
@@ -156,8 +152,8 @@ def pools(args: argparse.Namespace) -> int:
     rows = [_pool_row(name) for name in names]
     if args.gc:
         for r in rows:
-            if r["stale"]:
-                r["removed"] = remove_if_stale(r["name"])
+            if r["status"] == "stale" or (args.empty and r["status"] == "empty"):
+                r["removed"] = remove_if_unused(r["name"], empty=args.empty)
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
         print()
@@ -166,19 +162,25 @@ def pools(args: argparse.Namespace) -> int:
         print("no pools on this host")
         return EXIT_OK
     w = max(len("POOL"), *(len(r["name"]) for r in rows))  # whole names: `top` and `limit` need them
-    print(f"{'POOL':<{w}}  {'CAPACITY MiB':>12}  {'COMMITTED MiB':>13}  {'TENANTS':>7}  STATUS")
+    print(f"{'POOL':<{w}}  {'CAPACITY':>10}  {'COMMITTED':>10}  {'TENANTS':>7}  STATUS")
     for r in rows:
         if "error" in r:
-            print(f"{r['name']:<{w}}  {'?':>12}  {'?':>13}  {'?':>7}  unreadable: {r['error']}")
+            print(f"{r['name']:<{w}}  {'?':>10}  {'?':>10}  {'?':>7}  unreadable: {r['error']}")
             continue
-        status = "in use"
-        if r["stale"]:
-            status = "removed" if r.get("removed") else "stale: no live tenant"
-        print(f"{r['name']:<{w}}  {_fmt_mib(r['capacity']):>12}  {_fmt_mib(r['committed']):>13}  "
+        status = {"in use": "in use", "empty": "empty: no tenant yet, or all left",
+                  "stale": "stale: its last tenant died"}[r["status"]]
+        if r.get("removed"):
+            status = f"removed ({r['status']})"
+        print(f"{r['name']:<{w}}  {_fmt(r['capacity']):>10}  {_fmt(r['committed']):>10}  "
               f"{r['tenants']:>7}  {status}")
-    left = sum(1 for r in rows if r["stale"] and not r.get("removed"))
-    if left and not args.gc:
-        print(f"{left} pool(s) with no live tenant: `kvpool pools --gc` removes them")
+    removed = [r["name"] for r in rows if r.get("removed")]
+    stale_left = [r["name"] for r in rows if r["status"] == "stale" and not r.get("removed")]
+    empty_left = [r["name"] for r in rows if r["status"] == "empty" and not r.get("removed")]
+    if args.gc:
+        print(f"removed {len(removed)} pool(s){': ' + ', '.join(removed) if removed else ''}"
+              + (f"; kept {len(empty_left)} empty pool(s) (`--gc --empty` removes those)" if empty_left else ""))
+    elif stale_left:
+        print(f"{len(stale_left)} stale pool(s) (their last tenant died): `kvpool pools --gc` removes them")
     return EXIT_OK
 
 
@@ -227,18 +229,52 @@ def top(args: argparse.Namespace) -> int:
 _LIMIT_EXIT = {"applied": EXIT_OK, "same": EXIT_OK, "stale": EXIT_REFUSED, "conflict": EXIT_REFUSED}
 
 
+def _check_limit(pool: Pool, tenant: str, size: int | None, minimum: int | None | object) -> None:
+    """Every value of ``kvpool limit`` judged before any is applied (ValueError / LedgerError)."""
+    snap = pool.snapshot()
+    rows = [t for t in snap.tenants if t.name == tenant]
+    if not rows:
+        names = ", ".join(sorted(t.name for t in pool.tenants())) or "none"
+        raise LedgerError(f"pool {pool.name!r} has no tenant {tenant!r} (tenants: {names})")
+    if minimum is _UNSET or minimum is None:
+        return
+    assert isinstance(minimum, int)
+    if size is not None and minimum > size:
+        raise ValueError(f"--min {format_size_exact(minimum)} is more than the limit {format_size_exact(size)}: "
+                         "a guarantee above the limit could never be used")
+    others = sum(t.guarantee_setting for t in snap.tenants if t.name != tenant and t.guarantee_setting is not None)
+    if others + minimum > snap.capacity:
+        raise ValueError(f"--min {format_size_exact(minimum)} does not fit pool {pool.name!r}: other tenants' "
+                         f"explicit guarantees hold {format_size_exact(others)} of its "
+                         f"{format_size_exact(snap.capacity)}; nothing was changed")
+
+
 def limit(args: argparse.Namespace) -> int:
     try:
         pool = open_pool(args.pool)
+        _check_limit(pool, args.tenant, args.size, args.min)
+        before = next(t for t in pool.snapshot().tenants if t.name == args.tenant)
         result = pool.set_limit(args.tenant, args.size, revision=args.revision)
-        print(result)
         if args.min is _UNSET:
+            print(result)
             return _LIMIT_EXIT[result]
-        # The guarantee has its own revisions (the next one); `none` goes
-        # back to the equal default share.
-        guarantee = pool.set_guarantee(args.tenant, args.min)
+        if result in ("stale", "conflict"):  # the limit was not taken: neither is the guarantee
+            print(result)
+            print("guarantee not changed (the limit was not taken)")
+            return _LIMIT_EXIT[result]
+        try:
+            # The guarantee has its own revisions (the next one); `none` goes
+            # back to the equal default share.
+            guarantee = pool.set_guarantee(args.tenant, args.min)
+        except (LedgerError, ValueError):
+            # A tenant joined with a guarantee between the check and now:
+            # take the limit back (its next revision), so both or neither hold.
+            if result == "applied":
+                pool.set_limit(args.tenant, before.limit_bytes)
+            raise
     except (LedgerError, ValueError) as e:
         return _error(e)
+    print(result)
     print(f"guarantee {guarantee}")
     return max(_LIMIT_EXIT[result], _LIMIT_EXIT[guarantee])
 
@@ -339,7 +375,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("pools", nargs="*", metavar="POOL", help="only these pools (default: every pool)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--gc", action="store_true",
-                   help="remove the listed pools that have no live tenant (never one with a live tenant)")
+                   help="remove the stale pools (no live tenant, the last one died), never one with a live tenant")
+    p.add_argument("--empty", action="store_true",
+                   help="with --gc: remove empty pools too (no tenant yet, or all left cleanly)")
     p.set_defaults(func=pools)
 
     p = sub.add_parser("top", help="live table of a pool's tenants")
@@ -355,7 +393,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("pool", help="pool name")
     p.add_argument("tenant", help="tenant name (as `kvpool top` shows it)")
     p.add_argument("size", type=parse_size, metavar="SIZE",
-                   help="bytes, or with a K/M/G/KiB/MiB/GiB suffix (binary units), or 'none' to clear")
+                   help="a size with a unit: B, K, M, G, T (KiB, MiB, ... alike; binary), e.g. 512MiB; "
+                        "'none' clears")
     p.add_argument("--revision", type=_revision, default=None, metavar="N",
                    help="limit revision (default: the tenant's current one + 1)")
     p.add_argument("--min", type=parse_size, default=_UNSET, metavar="SIZE",
@@ -377,8 +416,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_NEGATIVE = re.compile(r"-\d|-\.\d")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["limit"]:
+        # argparse reads "-5M" as an unknown option and then reports a missing
+        # SIZE; say what is wrong with it instead.
+        for before, token in zip(argv, argv[1:]):
+            value = token.partition("=")[2] if token.startswith("--min=") else token
+            if before != "--revision" and _NEGATIVE.match(value):
+                parser.error(f"bad size {value!r}: a size cannot be negative")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         args.demo_args = rest

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 
 from . import _core
+from ._sizes import format_size
 from ._validate import integer
 from .errors import GeometryError
 
@@ -39,14 +40,6 @@ Layout = Literal["per_layer", "contiguous"]
 # 2 MiB wrapped there to a 2 MiB memory file that the first commit then grew
 # until the OOM killer came (issue 10, D8).
 MAX_VIRTUAL_BYTES = 1 << 47
-
-
-def _fmt(n: int) -> str:
-    if n >= MiB and n % MiB == 0:
-        return f"{n // MiB} MiB"
-    if n >= 1024 and n % 1024 == 0:
-        return f"{n // 1024} KiB"
-    return f"{n} B"
 
 
 def _check_int(name: str, value: object, *, allow_none: bool = False) -> None:
@@ -116,7 +109,7 @@ class Geometry:
             )
             raise GeometryError(
                 f"{what} = {B} is larger than page_bytes ({P}); the smallest page size that fits "
-                f"is page_bytes={fix} ({_fmt(fix)})"
+                f"is page_bytes={fix} ({format_size(fix)})"
             )
         if self.num_blocks is None:
             if self.memory_bytes is None:
@@ -229,7 +222,7 @@ class Geometry:
             backend = f"{device} backend" if device else "backend"
             raise GeometryError(
                 f"page_bytes ({P}) is not a multiple of the {backend} granularity ({g}); "
-                f"use page_bytes={fix} ({_fmt(fix)})"
+                f"use page_bytes={fix} ({format_size(fix)})"
             )
 
     def check_tensors(self, tensors: Sequence[Any]) -> None:

@@ -60,6 +60,7 @@ from .geometry import Geometry
 from .pool import Pool, default_pool_name
 from ._manager_limits import _LimitsMixin
 from ._manager_types import LimitState, ManagerStats, Reservation
+from ._sizes import format_size_exact
 from .space import BlockIds, KVSpace, PageInfo, alloc_failed, free_refused
 
 __all__ = ["Blocks", "KVCacheManager", "LimitState", "ManagerStats", "Reservation"]
@@ -74,6 +75,11 @@ _DEBUG = tracing.DEBUG
 
 
 _DEFERRED = LimitState.DEFERRED  # an Enum member through its class costs ~0.2 us per read on the hot path
+
+
+
+def _limit_text(n: int | None) -> str:
+    return "none" if n is None or n < 0 else format_size_exact(n)
 
 
 class KVCacheManager(_LimitsMixin):
@@ -182,7 +188,7 @@ class KVCacheManager(_LimitsMixin):
             raise RequestTooLarge(
                 n, max_blocks,
                 f"this tenant can never hold more than {max_blocks} blocks "
-                f"(limit {b.limit_bytes} bytes, pool capacity {b.pool_capacity} bytes)",
+                f"(limit {_limit_text(b.limit_bytes)}, pool capacity {_limit_text(b.pool_capacity)})",
             )
 
     def _grant_now(self, n: int) -> BlockIds:

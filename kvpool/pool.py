@@ -36,6 +36,7 @@ from typing import cast
 
 from . import _core
 from . import _validate as V
+from ._sizes import format_size, format_size_exact
 from .errors import LedgerError
 
 __all__ = ["MemoryCgroup", "Pool", "PoolSnapshot", "TenantInfo", "backing_memory", "cgroup_memory",
@@ -206,8 +207,8 @@ def default_capacity(device: str = "cpu") -> int:
     capacity = int(free_bytes * frac)
     if capacity <= 0:
         raise LedgerError(
-            f"a default pool would hold nothing: KVPOOL_POOL_FRACTION {frac} x {what} {free_bytes} bytes "
-            f"= {capacity}; raise the fraction or pass capacity="
+            f"a default pool would hold nothing: KVPOOL_POOL_FRACTION {frac} x {what} "
+            f"{format_size_exact(free_bytes)} = {format_size_exact(capacity)}; raise the fraction or pass capacity="
         )
     return capacity
 
@@ -254,6 +255,14 @@ class TenantInfo:
     shortages: int                 # allocs refused for lack of memory or admission (monotonic)
 
 
+# A pool with no live tenant is one of two kinds (issue 32): *empty*, made
+# for later or left cleanly by everyone (keep it: servers are about to join
+# it, and it holds the capacity the operator chose), or *stale*, its last
+# tenant died without leaving (the books of a crash: `kvpool pools --gc`
+# removes it). The ledger records how its last tenant went (LastExit).
+_LAST_EXIT = {0: "none", 1: "left", 2: "died"}
+
+
 @dataclass(frozen=True)
 class PoolSnapshot:
     """Every live tenant read in one pass; ``committed`` is the sum of these rows."""
@@ -262,15 +271,26 @@ class PoolSnapshot:
     capacity: int
     committed: int
     tenants: list[TenantInfo]
+    last_exit: str = "none"  # how the last tenant to go went: "none" yet, "left" cleanly, "died"
+
+    @property
+    def status(self) -> str:
+        """``"in use"`` (a live tenant), ``"empty"`` (none, and none died) or ``"stale"``."""
+        if self.tenants:
+            return "in use"
+        return "stale" if self.last_exit == "died" else "empty"
 
 
 class Pool:
     """A handle on a pool ledger (joining does not make this process a tenant).
 
     ``Pool("name")`` creates the pool if it does not exist (with
-    ``capacity`` bytes, default: :func:`default_capacity`) or joins it
-    (``capacity`` is then ignored: the creator's stands). ``create=False``
-    only joins and raises :class:`LedgerError` if the pool is missing.
+    ``capacity`` bytes, default: :func:`default_capacity`) or joins it.
+    Joining with an explicit ``capacity`` other than the pool's raises
+    :class:`LedgerError` (a pool's capacity is its creator's; asking for
+    another one silently got the old one, issue 32): pass no capacity to
+    join whatever it is. ``create=False`` only joins and raises
+    :class:`LedgerError` if the pool is missing.
 
     A ``capacity`` larger than the device can back at all (MemTotal or the
     memory cgroup's limit on the CPU, the device's total on CUDA) is refused
@@ -289,9 +309,9 @@ class Pool:
             backing = backing_memory(device)
             if backing is not None and capacity > backing[0]:
                 raise LedgerError(
-                    f"capacity {capacity} bytes is more than this machine can back: {backing[1]} is "
-                    f"{backing[0]} bytes; use capacity <= {backing[0]}, or pass overcommit=True to create "
-                    "it anyway (commits beyond the backing are OOM-killed, not refused)"
+                    f"capacity {format_size_exact(capacity)} is more than this machine can back: {backing[1]} "
+                    f"is {format_size_exact(backing[0])}; use capacity <= {backing[0]}, or pass overcommit=True "
+                    "to create it anyway (commits beyond the backing are OOM-killed, not refused)"
                 )
         cap = capacity if capacity is not None else (default_capacity(device) if create else 0)
         _code, msg, ledger = _core.native.open_ledger(name, cap, create)
@@ -301,6 +321,13 @@ class Pool:
             raise LedgerError(msg)
         self.name = name
         self._ledger = cast(_core.native.Ledger, ledger)
+        if capacity is not None and self._ledger.capacity != capacity:
+            raise LedgerError(
+                f"pool {name!r} exists with capacity {format_size_exact(self._ledger.capacity)}, not the "
+                f"{format_size_exact(capacity)} asked for: a pool keeps its creator's capacity. Join it without "
+                f"capacity=, or, once no tenant is left in it, remove it (`kvpool pools --gc --empty {name}`) "
+                "and create it again"
+            )
 
     @property
     def capacity(self) -> int:
@@ -331,7 +358,8 @@ class Pool:
             ))
         # The total is the sum of these rows (claims in flight, counted by
         # the ledger's judges, are in neither).
-        return PoolSnapshot(self.name, int(snap.capacity), sum(t.committed_bytes for t in tenants), tenants)
+        return PoolSnapshot(self.name, int(snap.capacity), sum(t.committed_bytes for t in tenants), tenants,
+                            _LAST_EXIT[int(snap.last_exit.value)])
 
     def tenants(self) -> list[TenantInfo]:
         """Live tenants (dead ones of this PID namespace are reaped first)."""
@@ -373,15 +401,16 @@ class Pool:
         return int(self._ledger.reap())
 
     def __repr__(self) -> str:
-        return f"<Pool {self.name}: {self.committed / 2**20:.1f}/{self.capacity / 2**20:.1f} MiB committed>"
+        return f"<Pool {self.name}: {format_size(self.committed)} of {format_size(self.capacity)} committed>"
 
     @staticmethod
     def remove(name: str) -> None:
         """Delete a pool's ledger file, ``/dev/shm/kvpool-<name>`` (missing: nothing to do).
 
         A ledger outlives its last tenant (it is a file, not a process);
-        ``kvpool pools`` marks such pools ``stale`` and ``kvpool pools --gc``
-        removes them. Tenants still attached keep working on the removed
+        ``kvpool pools`` marks a pool whose last tenant died ``stale`` and one
+        left cleanly (or not joined yet) ``empty``; ``kvpool pools --gc``
+        removes the stale ones, ``--gc --empty`` the empty ones too. Tenants still attached keep working on the removed
         ledger, but a process that joins the name afterwards makes a new pool
         with a budget of its own: remove a pool only when none of its
         tenants is alive (``tenants()`` is empty), as ``--gc`` does.

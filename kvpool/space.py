@@ -26,6 +26,7 @@ from .errors import BackendError, GeometryError, InvalidBlocks, PoolClosed
 from .geometry import Geometry
 from .pool import Pool
 from .ranks import MAX_RANKS, RankHandle
+from ._sizes import format_size
 
 __all__ = ["BudgetStats", "KVSpace", "PageInfo", "SharedMemory", "SpaceStats", "cuda_unavailable_reason",
            "map_shared"]
@@ -590,5 +591,5 @@ class KVSpace:
         s = self.stats()
         return (
             f"<KVSpace {s.used_blocks}/{s.capacity} blocks used, "
-            f"{s.committed_bytes / (1 << 20):.1f} MiB committed on {self.device}>"
+            f"{format_size(s.committed_bytes)} committed on {self.device}>"
         )

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "space.hpp"
+#include "sizes.hpp"
 
 namespace kvpool {
 namespace {
@@ -68,9 +69,9 @@ Status Space::alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t*
         const BudgetFigures f = budget_.figures();
         std::string why = "this tenant can never hold more than " + std::to_string(maxb) +
                           " blocks (space capacity " + std::to_string(table_.capacity());
-        if (f.limit_bytes >= 0) why += ", limit " + std::to_string(f.limit_bytes) + " bytes";
-        if (f.pool_capacity >= 0) why += ", pool capacity " + std::to_string(f.pool_capacity) + " bytes";
-        why += ", " + std::to_string(pcb_) + " bytes per page commit)";
+        if (f.limit_bytes >= 0) why += ", limit " + format_size_exact(f.limit_bytes);
+        if (f.pool_capacity >= 0) why += ", pool capacity " + format_size_exact(f.pool_capacity);
+        why += ", " + format_size_exact(pcb_) + " per page commit)";
         return Status::make(Code::Unsatisfiable, why);
     }
     if (budget_.gives_back() && !promised)

@@ -26,6 +26,7 @@
 #include "budget.hpp"
 #include "ledger.hpp"
 #include "space.hpp"
+#include "sizes.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -35,8 +36,18 @@ using kvpool::Status;
 using kvpool::bind::IdArray;
 using kvpool::bind::new_id_array;
 
+namespace kvpool::bind {
+// numpy's C API is loaded on the first space, not at import: the operator
+// commands (`kvpool pools`, `top`, `limit`) read the ledger only, and
+// importing numpy was most of their start-up (~90 ms of ~180, issue 32).
+// Every path that uses the C API (PyArray_*) runs on a space or its faces,
+// and every space is made by create_space, which calls this first.
+void ensure_numpy() {
+    if (PyArray_API == nullptr && _import_array() < 0) throw nb::python_error();
+}
+}  // namespace kvpool::bind
+
 NB_MODULE(_native, m) {
-    if (_import_array() < 0) throw nb::python_error();
     m.doc() = "kvpool native core (private: use the kvpool package)";
     // Spaces legitimately outlive interpreter shutdown (module globals);
     // their destructor releases memory, so the shutdown report is noise.
@@ -95,6 +106,11 @@ NB_MODULE(_native, m) {
         .def_ro("budget", &kvpool::SpaceStats::budget)
         .def_ro("backend", &kvpool::SpaceStats::backend);
 
+    nb::enum_<kvpool::LastExit>(m, "LastExit", "How a pool's last tenant to go went.")
+        .value("NONE", kvpool::LastExit::None, "no tenant has gone yet")
+        .value("LEFT", kvpool::LastExit::Left, "it left cleanly (closed its space)")
+        .value("DIED", kvpool::LastExit::Died, "it died without leaving and was reaped");
+
     nb::class_<kvpool::TenantRow>(m, "TenantRow", "One live tenant as a ledger snapshot read it.")
         .def_ro("slot", &kvpool::TenantRow::slot)
         .def_ro("pid", &kvpool::TenantRow::pid)
@@ -122,11 +138,16 @@ NB_MODULE(_native, m) {
                                        "Every live tenant read in one pass; the total is the sum of these rows.")
         .def_ro("capacity", &kvpool::LedgerSnapshot::capacity)
         .def_ro("generation", &kvpool::LedgerSnapshot::generation)
+        .def_ro("last_exit", &kvpool::LedgerSnapshot::last_exit)
         .def_ro("rows", &kvpool::LedgerSnapshot::rows)
         .def_prop_ro("claimed_total", &kvpool::LedgerSnapshot::claimed_total)
         .def("guarantee_of", &kvpool::LedgerSnapshot::guarantee_of, "row"_a,
              "A tenant's guarantee in force: explicit, or the equal default share.");
 
+    m.def("format_size", &kvpool::format_size, "bytes"_a,
+          "Bytes as people read them: binary units, one decimal ('128.0 MiB', '1.0 PiB'); under 1 KiB 'N B'.");
+    m.def("format_size_exact", &kvpool::format_size_exact, "bytes"_a,
+          "format_size, with the exact count where that rounds: '11.8 MiB (12345678 bytes)'.");
     m.def("cpu_granularity", &kvpool::cpu_granularity, "Smallest page size step of the CPU backend.");
     m.def("cuda_unavailable_reason", &kvpool::cuda_unavailable_reason, nb::call_guard<nb::gil_scoped_release>(),
           "Why the CUDA backend cannot be used here (empty when it can).");

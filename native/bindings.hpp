@@ -18,6 +18,9 @@ namespace kvpool::bind {
 
 using IdArray = nanobind::ndarray<nanobind::numpy, int64_t, nanobind::ndim<1>>;
 
+// Loads numpy's C API once (bindings.cpp); called before the first space.
+void ensure_numpy();
+
 // A fresh int64 numpy array whose buffer the array itself owns.
 inline IdArray new_id_array(size_t n, int64_t** data) {
     int64_t* buf = new int64_t[n > 0 ? n : 1];

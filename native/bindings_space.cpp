@@ -408,6 +408,7 @@ void kvpool::bind::bind_space(nb::module_& m) {
            int64_t guarantee_bytes, int64_t headroom_bytes, const std::string& device,
            std::shared_ptr<Ledger> ledger, const std::string& tenant, const std::vector<int64_t>& rank_regions,
            double rank_timeout_s) {
+            kvpool::bind::ensure_numpy();
             Status st;
             std::unique_ptr<Space> space;
             {

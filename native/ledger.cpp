@@ -4,6 +4,7 @@
 // ledger_settings.cpp.
 #include "ledger.hpp"
 #include "ledger_detail.hpp"
+#include "sizes.hpp"
 
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -195,6 +196,8 @@ LedgerSnapshot Ledger::snapshot(bool names) const {
     LedgerSnapshot s;
     s.capacity = hdr_->capacity;
     s.generation = generation();
+    const uint32_t exit = hdr_->last_exit.load(kSeq);  // anything unknown (a hostile write) reads as None
+    s.last_exit = exit == 1 ? LastExit::Left : exit == 2 ? LastExit::Died : LastExit::None;
     s.rows.reserve(8);
     for (int i = 0; i < kMaxTenants; ++i) {
         const TenantSlot& t = hdr_->tenants[i];
@@ -278,11 +281,11 @@ bool Ledger::claim_once(int slot, int64_t bytes, bool (*admit)(void*, const Ledg
             continue;
         }
         const int64_t free_bytes = s.capacity - (total - bytes);
-        *why = "pool '" + name_ + "' has " + std::to_string(std::max<int64_t>(0, free_bytes)) +
-               " bytes free for a claim of " + std::to_string(bytes);
+        *why = "pool '" + name_ + "' has " + format_size_exact(std::max<int64_t>(0, free_bytes)) +
+               " free for a claim of " + format_size_exact(bytes);
         return false;
     }
-    *why = "pool '" + name_ + "': claim of " + std::to_string(bytes) + " bytes lost to concurrent claims";
+    *why = "pool '" + name_ + "': claim of " + format_size_exact(bytes) + " lost to concurrent claims";
     return false;
 }
 

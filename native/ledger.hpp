@@ -101,10 +101,18 @@ struct LedgerHeader {
     uint32_t header_bytes;
     int64_t capacity;             // immutable once magic is written
     std::atomic<uint32_t> generation;  // futex word: bumped on every change others may act on
-    uint32_t pad1;
+    // How the last tenant to go went (LastExit). A pool with no live tenant
+    // is *empty* (made for later, or everyone left) unless its last tenant
+    // died without leaving: then it is *stale*, the books of a crash, and
+    // `kvpool pools --gc` removes it (issue 32). Was a pad word (0 = None),
+    // so ledgers made before it read as never left.
+    std::atomic<uint32_t> last_exit;
     std::atomic<uint64_t> tickets;     // source of wait tickets
     TenantSlot tenants[kMaxTenants];
 };
+
+// How a pool's last tenant to go went (LedgerHeader::last_exit).
+enum class LastExit : uint32_t { None = 0, Left = 1, Died = 2 };
 
 // One live tenant as read from the ledger (a snapshot row).
 struct TenantRow {
@@ -126,6 +134,7 @@ struct TenantRow {
 struct LedgerSnapshot {
     int64_t capacity = 0;
     uint32_t generation = 0;
+    LastExit last_exit = LastExit::None;
     std::vector<TenantRow> rows;
     int64_t claimed_total() const;
     // A tenant's guarantee in force: its explicit one, or an equal share of

@@ -8,6 +8,7 @@
 
 #include "ledger.hpp"
 #include "ledger_detail.hpp"
+#include "sizes.hpp"
 
 namespace kvpool {
 using ledger_detail::kSeq;
@@ -91,10 +92,10 @@ Status Ledger::write_setting(int slot, bool guarantee, int64_t bytes, int64_t re
             }
             if (sum > hdr_->capacity) {
                 value.store(old, kSeq);
-                st = Status::make(Code::Invalid, "a guarantee of " + std::to_string(bytes) + " bytes does not fit pool '" +
+                st = Status::make(Code::Invalid, "a guarantee of " + format_size_exact(bytes) + " does not fit pool '" +
                                                      name_ + "': explicit guarantees would hold " +
-                                                     std::to_string(sum) + " of its " +
-                                                     std::to_string(hdr_->capacity) + " bytes");
+                                                     format_size_exact(sum) + " of its " +
+                                                     format_size_exact(hdr_->capacity));
             }
         }
         if (st.is_ok()) rev.store(revision, kSeq);

@@ -17,6 +17,7 @@
 
 #include "ledger.hpp"
 #include "ledger_detail.hpp"
+#include "sizes.hpp"
 
 namespace kvpool {
 using ledger_detail::alnum;
@@ -134,10 +135,10 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
         for (const auto& r : s.rows)
             if (r.guarantee >= 0) explicit_sum += r.guarantee;
         if (explicit_sum + guarantee_bytes > s.capacity)
-            return Status::make(Code::Invalid, "guarantee_bytes=" + std::to_string(guarantee_bytes) +
-                                                   " does not fit pool '" + name_ + "': explicit guarantees hold " +
-                                                   std::to_string(explicit_sum) + " of its " +
-                                                   std::to_string(s.capacity) + " bytes");
+            return Status::make(Code::Invalid, "guarantee_bytes=" + std::to_string(guarantee_bytes) + " (" +
+                                                   format_size(guarantee_bytes) + ") does not fit pool '" + name_ +
+                                                   "': explicit guarantees hold " + format_size_exact(explicit_sum) +
+                                                   " of its " + format_size_exact(s.capacity));
     }
     // Two tenants registering the same name at once: each publishes itself,
     // then looks for the other; of two SC store-then-load sequences at least
@@ -199,10 +200,11 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
             if (sum > hdr_->capacity) {
                 t.live.store(0, kSeq);
                 t.pid.store(0, kSeq);
-                return Status::make(Code::Invalid, "guarantee_bytes=" + std::to_string(guarantee_bytes) +
-                                                       " does not fit pool '" + name_ + "': explicit guarantees "
-                                                       "would hold " + std::to_string(sum) + " of its " +
-                                                       std::to_string(hdr_->capacity) + " bytes");
+                return Status::make(Code::Invalid, "guarantee_bytes=" + std::to_string(guarantee_bytes) + " (" +
+                                                       format_size(guarantee_bytes) + ") does not fit pool '" +
+                                                       name_ + "': explicit guarantees would hold " +
+                                                       format_size_exact(sum) + " of its " +
+                                                       format_size_exact(hdr_->capacity));
             }
         }
         bool twin = false;
@@ -251,6 +253,7 @@ void Ledger::unregister_tenant(int slot) {
     if (slot < 0 || slot >= kMaxTenants) return;
     if (hdr_->tenants[slot].pid.load() != static_cast<int32_t>(getpid())) return;
     free_slot(slot);
+    hdr_->last_exit.store(static_cast<uint32_t>(LastExit::Left), kSeq);
     bump_generation();
 }
 
@@ -261,6 +264,7 @@ bool Ledger::reap_slot(int slot) {
     // Take the slot from the dead owner; a reaper racing us loses the CAS.
     if (!t.pid.compare_exchange_strong(pid, -static_cast<int32_t>(getpid()), kSeq)) return false;
     free_slot(slot);
+    hdr_->last_exit.store(static_cast<uint32_t>(LastExit::Died), kSeq);
     return true;
 }
 
@@ -276,7 +280,10 @@ int Ledger::reap() {
             // slot's owner was).
             if (t.pidns.load() == my_pidns_ && tenant_dead(-pid, 0)) {
                 int32_t expect = pid;
-                if (t.pid.compare_exchange_strong(expect, 0, kSeq)) ++reaped;
+                if (t.pid.compare_exchange_strong(expect, 0, kSeq)) {
+                    hdr_->last_exit.store(static_cast<uint32_t>(LastExit::Died), kSeq);
+                    ++reaped;
+                }
             }
             continue;
         }

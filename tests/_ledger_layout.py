@@ -45,7 +45,7 @@ class TenantSlot(ctypes.Structure):
 
 class LedgerHeader(ctypes.Structure):
     _fields_ = [("magic", ctypes.c_uint64), ("version", ctypes.c_uint32), ("header_bytes", ctypes.c_uint32),
-                ("capacity", ctypes.c_int64), ("generation", ctypes.c_uint32), ("pad1", ctypes.c_uint32),
+                ("capacity", ctypes.c_int64), ("generation", ctypes.c_uint32), ("last_exit", ctypes.c_uint32),
                 ("tickets", ctypes.c_uint64), ("tenants", TenantSlot * MAX_TENANTS)]
 
 

@@ -263,42 +263,58 @@ def dead_tenant_pool(tmp_path: Path, name: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_pools_marks_stale_pools_and_gc_removes_only_those(
+def test_pools_tells_empty_from_stale_and_gc_removes_only_stale_ones(
     tmp_path: Path, pools: Callable[..., str], make_space: Callable[..., KVSpace],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    live, empty, dead = pools(), pools(), pools()
+    # Issue 32: a pool made for servers about to start (the recipe's step 2)
+    # or left cleanly is *empty* and --gc keeps it; one whose last tenant died
+    # is *stale* and --gc removes it; --gc --empty removes both.
+    live, empty, left, dead = pools(), pools(), pools(), pools()
     make_space(GEOMETRY, pool=Pool(live, create=False), name="engine-a").alloc(PER_PAGE)
+    with KVSpace(GEOMETRY, pool=Pool(left, create=False), name="gone", reserve_thread=False, reserve=(0, 0)) as s:
+        s.alloc(PER_PAGE)  # committed, then left cleanly
     dead_tenant_pool(tmp_path, dead)
     junk = f"test-ops-junk-{uuid.uuid4().hex[:6]}"  # not a ledger of this layout: never ours to judge
     fd = os.open(ledger_path(junk), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     os.write(fd, b"not a ledger")
     os.close(fd)
     try:
-        mine = (live, empty, dead, junk)  # never other pools of this host: --gc would judge them too
+        mine = (live, empty, left, dead, junk)  # never other pools of this host: --gc would judge them too
         rc, out, err = run_main(capsys, "pools", "--json", *mine)
         assert rc == 0, err
         rows = {r["name"]: r for r in json.loads(out)}
         assert set(rows) == set(mine)
-        assert rows[live]["stale"] is False and rows[live]["tenants"] == 1
-        assert rows[empty]["stale"] is True and rows[empty]["tenants"] == 0
-        assert rows[dead]["stale"] is True and rows[dead]["committed"] == 0  # the dead tenant was reaped
-        assert rows[junk]["stale"] is None and "layout" in rows[junk]["error"]
+        assert rows[live]["status"] == "in use" and rows[live]["tenants"] == 1
+        assert rows[empty]["status"] == "empty" and rows[empty]["tenants"] == 0
+        assert rows[left]["status"] == "empty" and rows[left]["committed"] == 0
+        assert rows[dead]["status"] == "stale" and rows[dead]["committed"] == 0  # the dead tenant was reaped
+        assert [rows[n]["stale"] for n in (live, empty, left, dead)] == [False, False, False, True]
+        assert rows[junk]["status"] is None and "layout" in rows[junk]["error"]
 
         rc, out, err = run_main(capsys, "pools", *mine)
         assert rc == 0, err
         lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("test-ops-")}
-        assert "in use" in lines[live] and "stale" in lines[empty] and "stale" in lines[dead]
-        assert "unreadable" in lines[junk]
-        assert "kvpool pools --gc" in out
+        assert "in use" in lines[live] and "empty" in lines[empty] and "empty" in lines[left]
+        assert "stale" in lines[dead] and "unreadable" in lines[junk]
+        assert "1 stale pool(s)" in out and "kvpool pools --gc" in out
 
         rc, out, err = run_main(capsys, "pools", "--gc", *mine)
         assert rc == 0, err
         lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("test-ops-")}
-        assert "removed" in lines[empty] and "removed" in lines[dead]
+        assert "removed" in lines[dead] and "removed" not in lines[empty] + lines[left] + lines[live]
+        assert f"removed 1 pool(s): {dead}; kept 2 empty pool(s)" in out
         names = set(list_pools())
-        assert live in names and junk in names and empty not in names and dead not in names
+        assert {live, empty, left, junk} <= names and dead not in names
         assert Pool(live, create=False).tenants()[0].committed_bytes == PCB  # untouched
+
+        rc, out, err = run_main(capsys, "pools", "--gc", "--empty", live, empty, left, junk)
+        assert rc == 0, err
+        names = set(list_pools())
+        assert {live, junk} <= names and not {empty, left} & names
+        assert "removed 2 pool(s): " in out
+        rc, _, err = run_main(capsys, "pools", "--empty")
+        assert rc == 2 and "--empty needs --gc" in err
         rc, _, err = run_main(capsys, "pools", "no-such-pool-xyz")
         assert rc == 2 and "does not exist" in err
     finally:
@@ -321,8 +337,69 @@ def test_gc_leaves_a_pool_whose_tenant_joined_after_listing(
         return row
 
     monkeypatch.setattr(cli_mod, "_pool_row", listed_then_joined)
-    rc, out, err = run_main(capsys, "pools", "--gc", "--json", name)
+    rc, out, err = run_main(capsys, "pools", "--gc", "--empty", "--json", name)
     assert rc == 0, err
     row = {r["name"]: r for r in json.loads(out)}[name]
-    assert row["stale"] is True and row["removed"] is False  # judged again at removal time
+    assert row["status"] == "empty" and row["removed"] is False  # judged again at removal time
     assert name in list_pools()
+
+
+def _settings(pool: str) -> dict[str, tuple[int | None, int, int | None, int]]:
+    return {t.name: (t.limit_bytes, t.limit_revision, t.guarantee_setting, t.guarantee_revision)
+            for t in Pool(pool, create=False).snapshot().tenants}
+
+
+def test_limit_with_a_min_checks_every_value_before_applying_any(
+    pools: Callable[..., str], make_space: Callable[..., KVSpace], capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Issue 32 / round-3 cli_limit_partial.py: `limit P t 1M --min 70M` applied
+    # the limit, then failed on the guarantee (exit 2, half done).
+    pool = pools(64 * MiB)
+    make_space(GEOMETRY, pool=Pool(pool, create=False), name="t")
+    make_space(GEOMETRY, pool=Pool(pool, create=False), name="u", guarantee_bytes=40 * MiB)
+    before = _settings(pool)
+    for args, why in (
+        (("1M", "--min", "70M"), "--min 70.0 MiB is more than the limit 1.0 MiB"),
+        (("100M", "--min", "30M"), "--min 30.0 MiB does not fit pool .*40.0 MiB of its 64.0 MiB"),
+        (("10",), "needs a unit"),
+        (("-5M",), "cannot be negative"),
+        (("8M", "--min", "-1G"), "cannot be negative"),
+        (("8M", "--min=-1G"), "cannot be negative"),
+    ):
+        rc, out, err = run_main(capsys, "limit", pool, "t", *args)
+        assert rc == 2 and out == "", (args, out)
+        import re
+        assert re.search(why, err), (args, err)
+        assert _settings(pool) == before, args  # nothing changed
+    rc, out, err = run_main(capsys, "limit", pool, "t", "32MiB", "--min", "16MiB")
+    assert (rc, out) == (0, "applied\nguarantee applied\n"), err
+    assert _settings(pool)["t"] == (32 * MiB, 1, 16 * MiB, 1)
+
+
+def test_limit_takes_its_limit_back_when_the_pool_refuses_the_guarantee_after_the_check(
+    pools: Callable[..., str], make_space: Callable[..., KVSpace], capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvpool.cli as cli_mod
+
+    pool = pools(64 * MiB)
+    make_space(GEOMETRY, pool=Pool(pool, create=False), name="t")
+    make_space(GEOMETRY, pool=Pool(pool, create=False), name="u", guarantee_bytes=40 * MiB)
+    # As if u's guarantee arrived between the check and the apply.
+    monkeypatch.setattr(cli_mod, "_check_limit", lambda *a: None)
+    rc, out, err = run_main(capsys, "limit", pool, "t", "48MiB", "--min", "30MiB")
+    assert rc == 2 and "does not fit" in err
+    limit, limit_rev, guarantee, guarantee_rev = _settings(pool)["t"]
+    assert (limit, guarantee, guarantee_rev) == (None, None, 0)  # the limit was taken back ...
+    assert limit_rev == 2  # ... by a revision of its own (applied at 1, back to none at 2)
+
+
+def test_limit_with_a_stale_revision_leaves_the_guarantee_alone(
+    pools: Callable[..., str], make_space: Callable[..., KVSpace], capsys: pytest.CaptureFixture[str],
+) -> None:
+    pool = pools(64 * MiB)
+    make_space(GEOMETRY, pool=Pool(pool, create=False), name="t")
+    assert run_main(capsys, "limit", pool, "t", "32MiB", "--revision", "5")[0] == 0
+    rc, out, _ = run_main(capsys, "limit", pool, "t", "16MiB", "--revision", "4", "--min", "8MiB")
+    assert rc == 1 and out.startswith("stale\n") and "guarantee not changed" in out
+    assert _settings(pool)["t"] == (32 * MiB, 5, None, 0)

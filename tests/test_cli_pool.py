@@ -214,7 +214,7 @@ def test_top_once_json_shows_live_tenants(tenants: Tenants, capsys: pytest.Captu
     assert rc == 0, err
     assert "engine-a" in out and "engine-b" in out
     assert str(tenants.children["engine-a"].pid) in out
-    assert "1.5 / 64.0 MiB committed" in out  # header: pool committed / capacity
+    assert "1.5 MiB of 64.0 MiB committed" in out  # header: pool committed / capacity
 
 
 @pytest.mark.timeout(60)
@@ -263,7 +263,7 @@ def test_limit_revisions_stale_conflict_same(tenants: Tenants, capsys: pytest.Ca
     assert (r.returncode, r.stdout.strip()) == (1, "stale"), r.stderr
     r = kvpool_cli(cwd, "limit", pool, "engine-a", "4M", "--revision", "5")
     assert (r.returncode, r.stdout.strip()) == (1, "conflict"), r.stderr
-    assert run_main(capsys, "limit", pool, "engine-a", str(8 * MiB), "--revision", "5")[:2] == (0, "same\n")
+    assert run_main(capsys, "limit", pool, "engine-a", f"{8 * MiB}B", "--revision", "5")[:2] == (0, "same\n")
     info = tenant_info(pool, "engine-a")
     assert (info.limit_bytes, info.limit_revision) == (8 * MiB, 5)
     # Without --revision the next one is taken.
@@ -292,7 +292,7 @@ def test_pools_and_errors(tenants: Tenants, capsys: pytest.CaptureFixture[str]) 
     assert r.returncode == 0, r.stderr
     rows = {p["name"]: p for p in json.loads(r.stdout)}
     assert rows[tenants.pool] == {"name": tenants.pool, "capacity": CAPACITY, "committed": 4 * PCB, "tenants": 2,
-                                  "stale": False}
+                                  "status": "in use", "stale": False}
     rc, out, err = run_main(capsys, "pools")
     assert rc == 0 and tenants.pool in out and "1.0" in out
 
@@ -379,15 +379,27 @@ def test_top_on_a_terminal_redraws_live_and_exits_on_ctrl_c(tenants: Tenants) ->
 
 
 def test_size_parsing() -> None:
-    assert parse_size("0") == 0
-    assert parse_size("4096") == 4096
+    assert parse_size("0B") == 0
+    assert parse_size("4096B") == parse_size("4096 b") == 4096
     assert parse_size("64K") == parse_size("64kib") == parse_size("64KB") == 64 * KiB
     assert parse_size("512MiB") == parse_size("512m") == 512 * MiB
     assert parse_size("2G") == parse_size("2gib") == 2 << 30
+    assert parse_size("1T") == 1 << 40
     assert parse_size("1.5G") == 3 << 29
+    assert parse_size("0.25K") == 256 and parse_size(".5M") == 512 * KiB
+    with pytest.raises(argparse.ArgumentTypeError, match="whole number of bytes"):
+        parse_size("1.1G")  # 1181116006.4 bytes
     assert parse_size("NONE") is None and parse_size("none") is None
-    for bad in ("", "-1", "1T", "G", "1.3", "abc", "1 2"):
-        with pytest.raises(argparse.ArgumentTypeError):
+    for bad in ("", "1.3B", "G", "abc", "1 2", "1GB2", "1BB", "1Bi", "5X"):
+        with pytest.raises(argparse.ArgumentTypeError, match="bad size"):
             parse_size(bad)
+    # Issue 32: a bare number meant bytes (`kvpool limit P t 10` set a 10-byte
+    # limit), and a negative one got argparse's "missing SIZE".
+    for bare in ("0", "10", "4096", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="needs a unit"):
+            parse_size(bare)
+    for negative in ("-1", "-5M", "-0.5G"):
+        with pytest.raises(argparse.ArgumentTypeError, match="cannot be negative"):
+            parse_size(negative)
     with pytest.raises(LedgerError):
         Pool("../x", create=False)

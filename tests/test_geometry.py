@@ -61,7 +61,7 @@ def test_check_granularity_names_the_device_and_the_fix() -> None:
     g = Geometry(1, 1, 1024, 8, page_bytes=10000, granularity=16)
     g.check_granularity(16, "cpu")
     with pytest.raises(GeometryError, match=r"^page_bytes \(10000\) is not a multiple of the cpu backend "
-                       r"granularity \(4096\); use page_bytes=12288 \(12 KiB\)$"):
+                       r"granularity \(4096\); use page_bytes=12288 \(12\.0 KiB\)$"):
         g.check_granularity(4096, "cpu")
 
 

@@ -23,6 +23,8 @@ import torch
 
 from kvpool import BackendError, Geometry, KVSpace, LedgerError, Pool, PoolExhausted, RequestTooLarge, list_pools
 
+from kvpool import MiB
+
 from .conftest import KiB
 
 G = Geometry(1, 2, 4 * KiB, 256, page_bytes=16 * KiB)  # 4 blocks a page, 32 KiB per page commit
@@ -454,3 +456,13 @@ def test_a_failed_space_creation_never_unregisters_a_slot_another_thread_took(po
         stop.set()
         t.join()
     assert lost == 0
+
+
+def test_asking_for_another_capacity_of_an_existing_pool_raises_and_changes_nothing(pool_name: str) -> None:
+    # Issue 32: re-creating a pool with another capacity silently returned the old one.
+    Pool(pool_name, capacity=8 * MiB)
+    with pytest.raises(LedgerError, match=rf"pool '{pool_name}' exists with capacity 8.0 MiB, not the 16.0 MiB"):
+        Pool(pool_name, capacity=16 * MiB)
+    assert Pool(pool_name).capacity == 8 * MiB  # no capacity: joins whatever it is
+    assert Pool(pool_name, capacity=8 * MiB).capacity == 8 * MiB  # the same capacity joins too
+    assert Pool(pool_name, create=False).capacity == 8 * MiB

@@ -76,7 +76,7 @@ def test_the_default_capacity_is_a_fraction_of_the_room_left_in_the_memory_cgrou
     assert cg is not None and (cg.path, cg.headroom, cg.limit, cg.limit_path) == (str(leaf), room, limit, str(leaf))
     if room == 0:
         before = set(os.listdir("/dev/shm"))
-        with pytest.raises(LedgerError, match=rf"room left in the memory cgroup {leaf} 0 bytes = 0"):
+        with pytest.raises(LedgerError, match=rf"room left in the memory cgroup {leaf} 0 B = 0 B"):
             Pool(pool_name)
         assert set(os.listdir("/dev/shm")) == before
     else:
@@ -142,8 +142,8 @@ def test_a_capacity_beyond_the_cgroup_limit_is_refused_unless_overcommit(
     monkeypatch.setenv("KVPOOL_CGROUP", str(tmp_path / "cg"))
     before = set(os.listdir("/dev/shm"))
     with pytest.raises(LedgerError, match=(
-            rf"capacity {64 * MiB + 1} bytes is more than this machine can back: the memory cgroup limit of "
-            rf"{tmp_path / 'cg'} is {64 * MiB} bytes; .*overcommit=True")):
+            rf"capacity 64.0 MiB \({64 * MiB + 1} bytes\) is more than this machine can back: the memory cgroup limit of "
+            rf"{tmp_path / 'cg'} is 64.0 MiB; use capacity <= {64 * MiB}, .*overcommit=True")):
         Pool(pool_name, capacity=64 * MiB + 1)
     assert set(os.listdir("/dev/shm")) == before
     assert Pool(pool_name, capacity=64 * MiB).capacity == 64 * MiB  # up to the limit is fine
@@ -157,7 +157,7 @@ def test_a_capacity_beyond_mem_total_is_refused_unless_overcommit(
     monkeypatch.setenv("KVPOOL_CGROUP", "/nonexistent")  # no cgroup: MemTotal binds
     total = meminfo("MemTotal")
     before = set(os.listdir("/dev/shm"))
-    with pytest.raises(LedgerError, match=rf"capacity {total + 1} bytes .* MemTotal is {total} bytes.*overcommit=True"):
+    with pytest.raises(LedgerError, match=rf"capacity .* \({total + 1} bytes\) .* MemTotal is .*use capacity <= {total}, .*overcommit=True"):
         Pool(pool_name, capacity=total + 1)
     assert set(os.listdir("/dev/shm")) == before
     assert Pool(pool_name, capacity=total + 1, overcommit=True).capacity == total + 1

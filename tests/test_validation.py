@@ -245,7 +245,7 @@ def test_bad_pool_set_limit_is_refused_by_name_and_changes_nothing(
 
 @pytest.mark.parametrize(
     "fraction, named",
-    [("1e-30", r"KVPOOL_POOL_FRACTION 1e-30 x MemAvailable \d+ bytes = 0"), ("abc", "got 'abc'"),
+    [("1e-30", r"KVPOOL_POOL_FRACTION 1e-30 x MemAvailable [\d.]+ [KMGT]iB \(\d+ bytes\) = 0 B"), ("abc", "got 'abc'"),
      ("nan", "got 'nan'"), ("0", "got '0'"), ("1.5", "got '1.5'")],
 )
 def test_a_pool_fraction_that_leaves_nothing_is_refused(
