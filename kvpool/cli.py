@@ -50,6 +50,7 @@ from typing import Any
 from . import __version__
 from . import _sizes
 from ._sizes import format_size, format_size_exact
+from ._validate import shown
 from .errors import KVPoolError, LedgerError
 from .pool import Pool, check_pool_name, default_pool_name, ledger_path, list_pools
 
@@ -206,6 +207,16 @@ def top(args: argparse.Namespace) -> int:
         else:
             console.print(_top.render(snap, console))
         return EXIT_OK
+    import signal
+
+    # SIGTERM (kill, a closing tmux pane) and SIGHUP end `top` as Ctrl-C does:
+    # through the `with Live` below, which shows the cursor again (issue 32: it
+    # stayed hidden). Exit 128 + the signal, as a shell reports it.
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, leave)
     try:
         if not console.is_terminal:  # piped or logged: one whole table per interval, nothing redrawn
             while True:
@@ -235,7 +246,8 @@ def _check_limit(pool: Pool, tenant: str, size: int | None, minimum: int | None 
     rows = [t for t in snap.tenants if t.name == tenant]
     if not rows:
         names = ", ".join(sorted(t.name for t in pool.tenants())) or "none"
-        raise LedgerError(f"pool {pool.name!r} has no tenant {tenant!r} (tenants: {names})")
+        # shown(): quoted, escaped and cut, as the native core's quoted_name (a hostile name cannot flood a terminal).
+        raise LedgerError(f"pool {pool.name!r} has no tenant {shown(tenant)} (tenants: {names})")
     if minimum is _UNSET or minimum is None:
         return
     assert isinstance(minimum, int)

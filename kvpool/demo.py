@@ -144,6 +144,12 @@ def headroom_bytes(geometry: Geometry, prompt_scale: float) -> int:
     return -(-max_request_blocks(prompt_scale) // per_page) * geometry.page_commit_bytes
 
 
+def announce_pool(mode: str, pool_name: str) -> None:
+    """Name the run's pool on stderr, so `kvpool top` can be pointed at it (stdout stays the report's)."""
+    print(f"kvpool demo: {mode} run on pool {pool_name} (watch it: kvpool top {pool_name})",
+          file=sys.stderr, flush=True)
+
+
 def _pct(xs: list[float], q: float) -> float:
     if not xs:
         return 0.0
@@ -157,6 +163,7 @@ async def run_mode(mode: str, args: argparse.Namespace, trace: list[Request], mo
     pool_bytes = args.pool_blocks * COMMIT_BYTES_PER_BLOCK
     pool_name = f"demo-{mode}-{uuid.uuid4().hex[:6]}"
     pool = Pool(pool_name, capacity=pool_bytes)
+    announce_pool(mode, pool_name)
     slice_bytes = pool_bytes // args.engines
     engines: list[Engine] = []
     timeline: list[dict[str, Any]] = []
@@ -246,11 +253,15 @@ async def run_mode_processes(mode: str, args: argparse.Namespace, live: Any) -> 
     pool_bytes = args.pool_blocks * COMMIT_BYTES_PER_BLOCK
     pool_name = f"demo-{mode}-{uuid.uuid4().hex[:6]}"
     pool = Pool(pool_name, capacity=pool_bytes)
+    announce_pool(mode, pool_name)
     argv = [f"--engines={args.engines}", f"--pool-blocks={args.pool_blocks}", f"--blocks={args.blocks}",
             f"--duration={args.duration}", f"--burst={args.burst}", f"--seed={args.seed}",
             f"--trace={args.trace}", f"--prompt-scale={args.prompt_scale}"]
     procs = [subprocess.Popen([sys.executable, "-m", "kvpool.demo", "--worker", mode, str(e), pool_name, *argv],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              # Their own process group: Ctrl-C at the terminal reaches only
+                              # this process, which stops them (finally, below) and says so once.
+                              process_group=0)
              for e in range(args.engines)]
     timeline: list[dict[str, Any]] = []
     try:
@@ -559,12 +570,20 @@ def options(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.clock == "virtual":
-        from ._demo_clock import run_virtual
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a job ended by Ctrl-C
 
-        return run_virtual(main_async(args))
-    return asyncio.run(main_async(args))
+
+def run(args: argparse.Namespace) -> int:
+    """The demo; Ctrl-C ends it with one line and exit 130 (its pools removed on the way out)."""
+    try:
+        if args.clock == "virtual":
+            from ._demo_clock import run_virtual
+
+            return run_virtual(main_async(args))
+        return asyncio.run(main_async(args))
+    except KeyboardInterrupt:
+        print("kvpool demo: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
@@ -574,4 +593,7 @@ if __name__ == "__main__":
         add_arguments(ap)
         wargs = ap.parse_args(sys.argv[5:])
         _derive(wargs)
-        asyncio.run(worker(sys.argv[2], int(sys.argv[3]), sys.argv[4], wargs))
+        try:
+            asyncio.run(worker(sys.argv[2], int(sys.argv[3]), sys.argv[4], wargs))
+        except KeyboardInterrupt:  # Ctrl-C reaches every worker too: the parent says it, once
+            sys.exit(EXIT_INTERRUPTED)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -32,6 +34,10 @@ def test_a_short_demo_checks_itself_and_writes_its_figures(tmp_path: pathlib.Pat
     out = run_demo(["--engines", "2", "--duration", "2", "--burst", "4", "--pool-mib", "4", "--check", "3",
                     "--plot", str(plot), "--json"], tmp_path)
     assert out.returncode == 0, out.stderr
+    # Each run names its pool on stderr (issue 32: so `kvpool top` can be pointed at it).
+    assert re.search(r"^kvpool demo: elastic run on pool demo-elastic-\w+ \(watch it: kvpool top demo-elastic-\w+\)$",
+                     out.stderr, re.M), out.stderr
+    assert re.search(r"^kvpool demo: static run on pool demo-static-\w+ ", out.stderr, re.M), out.stderr
     data = json.loads(out.stdout)
     corr = data["correctness"]
     assert corr["checked"] == 3 and corr["mismatches"] == []
@@ -88,3 +94,36 @@ def test_bad_demo_arguments_exit_2(tmp_path: pathlib.Path) -> None:
     out = subprocess.run([sys.executable, "-m", "kvpool.cli", "demo", "--engines", "0", "--no-live"],
                          capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 2 and "--engines" in out.stderr
+
+
+@pytest.mark.timeout(RUN_LIMIT_S)
+@pytest.mark.parametrize("extra", [[], ["--processes"]], ids=["one-process", "processes"])
+def test_ctrl_c_ends_the_demo_with_one_line_and_exit_130_and_removes_its_pool(
+    extra: list[str], tmp_path: pathlib.Path,
+) -> None:
+    # Issue 32: Ctrl-C dumped 46 lines of traceback (107 with --processes).
+    from kvpool import list_pools
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "demo", *extra, "--engines", "2", "--duration",
+                             "600", "--burst", "3", "--pool-mib", "4", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert proc.stderr is not None
+        lines = []
+        for line in proc.stderr:  # the event: the run has started and named its pool
+            lines.append(line)
+            m = re.match(r"kvpool demo: elastic run on pool (\S+) ", line)
+            if m:
+                break
+        assert m, "".join(lines)
+        pool = m.group(1)
+        assert pool in list_pools()
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends (to the foreground process group)
+        rest = proc.stderr.read()
+        rc = proc.wait(timeout=RUN_LIMIT_S / 2)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert rc == 130, rest
+    assert rest.splitlines() == ["kvpool demo: interrupted"], rest
+    assert pool not in list_pools()

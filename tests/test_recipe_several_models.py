@@ -253,8 +253,11 @@ class Recipe:
                 if how == "creates the pool":
                     self.prelude = self.script("\n".join(ln for ln in code.splitlines() if ln.startswith("export ")))
                     self.prelude += "\n"
-                    assert f"<Pool {self.pool}: 0.0/8192.0 MiB committed>" in r.stdout
-                    assert re.search(rf"^{re.escape(self.pool)}\s+8192\.0\s+0\.0\s+0\b", r.stdout, re.M), r.stdout
+                    assert f"<Pool {self.pool}: 0 B of 8.0 GiB committed>" in r.stdout
+                    # Step 2 followed literally keeps the pool (issue 32): a pool made for later use is
+                    # empty, not stale, so nothing tells the operator to collect it.
+                    assert re.search(rf"^{re.escape(self.pool)}\s+8\.0 GiB\s+0 B\s+0\s+empty\b", r.stdout, re.M), r.stdout
+                    assert "--gc" not in r.stdout, r.stdout
                     if self.models is None:
                         self.start_stand_ins()
             assert len(self.outputs) == len([h for h, _ in blocks() if h not in (*SKIPPED, "background")])
