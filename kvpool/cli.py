@@ -327,24 +327,28 @@ def metrics(args: argparse.Namespace) -> int:
     if args.listen is None:
         sys.stdout.write(metrics_mod.exposition(names))
         return EXIT_OK
-    import threading
+    import asyncio
 
-    from prometheus_client.exposition import start_http_server
+    from . import _exporter
 
     host, port = args.listen
+    shown = f"[{host}]" if ":" in host else host
+    reg = metrics_mod.registry(names)
+
+    def render() -> bytes:
+        from prometheus_client.exposition import generate_latest
+
+        return generate_latest(reg)
+
+    def listening(bound: int) -> None:
+        print(f"serving http://{shown}:{bound}/metrics", flush=True)
+
     try:
-        server, thread = start_http_server(port, host, registry=metrics_mod.registry(names))
+        asyncio.run(_exporter.serve(host, port, render, listening))
     except OSError as e:
         return _error(f"cannot listen on {host}:{port}: {e.strerror or e}")
-    shown = f"[{host}]" if ":" in host else host
-    print(f"serving http://{shown}:{server.server_port}/metrics", flush=True)
-    try:
-        threading.Event().wait()  # the server thread answers; this one waits for Ctrl-C
     except KeyboardInterrupt:
         pass
-    finally:
-        server.shutdown()
-        thread.join()
     return EXIT_OK
 
 

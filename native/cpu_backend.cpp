@@ -68,6 +68,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "memfd.hpp"
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels say EINVAL and we skip the prefault
@@ -128,10 +129,9 @@ public:
 
     Status open() {
         budget_ = mapping_budget();
-        fd_ = memfd_create("kvpool-space", MFD_CLOEXEC);
-        if (fd_ < 0) return Status::make(Code::Backend, errno_text("memfd_create", errno));
-        if (ftruncate(fd_, static_cast<off_t>(total_bytes())) != 0)
-            return fail_open(errno_text("ftruncate", errno));
+        // Sealed against resizing: a peer that opens it through /proc cannot
+        // truncate our KV memory under us (memfd.hpp).
+        if (Status st = create_sealed_memfd("kvpool-space", total_bytes(), &fd_); !st.is_ok()) return st;
         // Reserve an aligned, read-only anonymous range: the inert state of
         // every slice (reads see the zero page, writes fault).
         const size_t span = total_bytes() + kAlign;

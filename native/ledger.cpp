@@ -139,9 +139,9 @@ std::shared_ptr<Ledger> Ledger::open(const std::string& name, int64_t capacity, 
     }
     void* m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (m == MAP_FAILED) return fail(errno_text("mmap(" + path + ")", errno));
-    ::close(fd);
-    fd = -1;
     std::shared_ptr<Ledger> l(new Ledger());
+    l->fd_ = fd;  // the ledger owns it from here (slot locks, ledger.hpp); the destructor closes it
+    fd = -1;
     l->name_ = name;
     l->hdr_ = static_cast<LedgerHeader*>(m);
     l->my_pidns_ = own_pid_namespace();
@@ -172,6 +172,7 @@ std::shared_ptr<Ledger> Ledger::open(const std::string& name, int64_t capacity, 
 
 Ledger::~Ledger() {
     if (hdr_) munmap(hdr_, sizeof(LedgerHeader));
+    if (fd_ >= 0) ::close(fd_);
 }
 
 void Ledger::bump_generation() {

@@ -26,10 +26,16 @@
 //     settings it read; a writer that finds it busy for that long gets an
 //     error. Nobody waits indefinitely.
 //   * Slots are taken by CAS on the pid word. A dead tenant's slot is reaped
-//     by whoever notices (CAS pid -> -reaper pid, clear, free), judged only
-//     for tenants in this process's PID namespace (pid + start time + pidns
-//     inode): a process cannot see, and must not judge, another namespace's
-//     pids.
+//     by whoever notices (CAS pid -> -reaper pid, clear, free). A tenant in
+//     this process's PID namespace is judged by pid + start time + pidns
+//     inode. Another namespace's pids cannot be judged (its pid 7 is not our
+//     pid 7), so every tenant also holds an open-file-description lock on
+//     one byte of the ledger file at its slot's offset while it is live: the
+//     kernel drops it when the owner's process dies, whatever its namespace
+//     (round 3, pidns_dead_container_leak.py: a container that died with its
+//     namespace kept its bytes and its name forever). A reaper judges a
+//     foreign slot by taking that lock itself, without waiting (F_OFD_SETLK):
+//     it gets it only if the owner is gone; a stopped owner still holds it.
 //
 // Trust: a segment is used only if it is ours (owner uid, mode 0600, regular
 // file, opened O_NOFOLLOW, created O_EXCL) and its layout checks out.
@@ -46,7 +52,9 @@
 namespace kvpool {
 
 constexpr uint64_t kLedgerMagic = 0x4b56504f4f4c4c34ULL;  // "KVPOOLL4"
-constexpr uint32_t kLedgerVersion = 4;  // 3: allocs and shortages per slot; 4: headroom, keep_free
+// 3: allocs and shortages per slot; 4: headroom, keep_free; 5: a live tenant
+// holds its slot's lock (a build without it would be reaped as dead by one with it).
+constexpr uint32_t kLedgerVersion = 5;
 constexpr int kMaxTenants = 64;
 constexpr int kMaxNameLen = 64;             // pool and tenant names: [A-Za-z0-9][A-Za-z0-9._-]{0,63}
 constexpr int kNameBytes = 72;              // stored NUL-terminated
@@ -230,9 +238,17 @@ private:
     Status write_setting(int slot, bool guarantee, int64_t bytes, int64_t revision, LimitResult* result);
     bool reap_slot(int slot);
     void free_slot(int slot);  // one clearing for a tenant leaving and a dead one reaped
+    // The slot's liveness lock (see the top): take without waiting (false if
+    // another open file holds it), or drop.
+    bool lock_slot(int slot) const;
+    void unlock_slot(int slot) const;
+    // A live tenant of another PID namespace whose process is gone: its
+    // slot's lock is free. Reaps it and returns true if so.
+    bool reap_foreign(int slot, int32_t pid);
 
     std::string name_;
     LedgerHeader* hdr_ = nullptr;
+    int fd_ = -1;  // kept open: the slot locks are held through it (O_CLOEXEC)
     uint64_t my_pidns_ = 0;
     bool stop_mid_claim_ = false;
 };

@@ -2,12 +2,14 @@
 // namespace, name), how it joins and leaves a pool, and how the dead are
 // reaped. The segment, its snapshot and claims are in ledger.cpp; settings
 // in ledger_settings.cpp.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -151,13 +153,22 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
         int mine = -1;
         for (int i = 0; i < kMaxTenants && mine < 0; ++i) {
             int32_t expect = 0;
-            if (hdr_->tenants[i].pid.compare_exchange_strong(expect, me, kSeq)) mine = i;
+            if (!hdr_->tenants[i].pid.compare_exchange_strong(expect, me, kSeq)) continue;
+            hdr_->tenants[i].pidns.store(my_pidns_, kSeq);  // first: a reaper can judge the slot from here on
+            // The liveness lock, before the slot goes live. Held elsewhere: a
+            // reaper judging it this instant, or a forked child of a dead
+            // owner that inherited the open file. Not ours to wait for: next slot.
+            if (lock_slot(i)) {
+                mine = i;
+            } else {
+                hdr_->tenants[i].pidns.store(0, kSeq);
+                hdr_->tenants[i].pid.store(0, kSeq);
+            }
         }
         if (mine < 0)
             return Status::make(Code::Shortage, "pool '" + name_ + "' has no free tenant slot (max " +
                                                     std::to_string(kMaxTenants) + ")");
         TenantSlot& t = hdr_->tenants[mine];
-        t.pidns.store(my_pidns_, kSeq);  // first: a reaper can judge the slot from here on
         t.start_time.store(start, kSeq);
         std::memset(t.name, 0, sizeof(t.name));
         std::memcpy(t.name, name.data(), name.size());
@@ -188,6 +199,7 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
         if (t.pid.load(kSeq) != me) {
             // Reaped while registering (judged dead by a confused peer): the
             // slot is not ours any more; take another.
+            unlock_slot(mine);
             continue;
         }
         if (guarantee_bytes >= 0) {
@@ -200,6 +212,7 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
             if (sum > hdr_->capacity) {
                 t.live.store(0, kSeq);
                 t.pid.store(0, kSeq);
+                unlock_slot(mine);
                 return Status::make(Code::Invalid, "guarantee_bytes=" + std::to_string(guarantee_bytes) + " (" +
                                                        format_size(guarantee_bytes) + ") does not fit pool '" +
                                                        name_ + "': explicit guarantees would hold " +
@@ -221,6 +234,7 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
         }
         t.live.store(0, kSeq);
         t.pid.store(0, kSeq);
+        unlock_slot(mine);
         std::this_thread::sleep_for(std::chrono::microseconds(50 * (attempt + 1) * (1 + me % 7)));
     }
     return Status::make(Code::Invalid, "pool '" + name_ + "' already has a live tenant named " + quoted_name(name));
@@ -253,6 +267,7 @@ void Ledger::unregister_tenant(int slot) {
     if (slot < 0 || slot >= kMaxTenants) return;
     if (hdr_->tenants[slot].pid.load() != static_cast<int32_t>(getpid())) return;
     free_slot(slot);
+    unlock_slot(slot);  // after the slot is free: a reaper that takes the lock now finds nothing live
     hdr_->last_exit.store(static_cast<uint32_t>(LastExit::Left), kSeq);
     bump_generation();
 }
@@ -288,9 +303,12 @@ int Ledger::reap() {
             continue;
         }
         if (pid == 0 || pid == me) continue;
-        // Only tenants of this PID namespace: another namespace's pid 7 is
-        // not our pid 7.
-        if (t.pidns.load(kSeq) != my_pidns_ || my_pidns_ == 0) continue;
+        // Another namespace's pid 7 is not our pid 7: its tenants are judged
+        // by their slot's lock instead.
+        if (t.pidns.load(kSeq) != my_pidns_ || my_pidns_ == 0) {
+            reaped += reap_foreign(i, pid) ? 1 : 0;
+            continue;
+        }
         // A slot still registering has no start time of its own yet: judge
         // it only by its pid being gone.
         const bool registering = t.live.load(kSeq) != 1;
@@ -299,6 +317,39 @@ int Ledger::reap() {
     }
     if (reaped) bump_generation();
     return reaped;
+}
+
+// The lock's byte: the slot's own offset in the file, so slots never share one.
+static flock slot_lock(int slot, short type) {
+    flock l{};
+    l.l_type = type;
+    l.l_whence = SEEK_SET;
+    l.l_start = static_cast<off_t>(offsetof(LedgerHeader, tenants) + static_cast<size_t>(slot) * sizeof(TenantSlot));
+    l.l_len = 1;
+    l.l_pid = 0;  // required by OFD locks
+    return l;
+}
+
+bool Ledger::lock_slot(int slot) const {
+    flock l = slot_lock(slot, F_WRLCK);
+    return fcntl(fd_, F_OFD_SETLK, &l) == 0;
+}
+
+void Ledger::unlock_slot(int slot) const {
+    flock l = slot_lock(slot, F_UNLCK);
+    fcntl(fd_, F_OFD_SETLK, &l);
+}
+
+bool Ledger::reap_foreign(int slot, int32_t pid) {
+    TenantSlot& t = hdr_->tenants[slot];
+    // Registering (not live yet): its lock may not be taken yet either.
+    if (t.live.load(kSeq) != 1) return false;
+    // A live owner holds the lock from before it went live until after its
+    // slot is free; holding it ourselves, nobody can register here meanwhile.
+    if (!lock_slot(slot)) return false;
+    const bool dead = t.live.load(kSeq) == 1 && t.pid.load(kSeq) == pid && reap_slot(slot);
+    unlock_slot(slot);
+    return dead;
 }
 
 Status Ledger::find_tenant(const std::string& tenant, int* slot) {

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <string>
 
+#include "memfd.hpp"
 #include "mirror_channel.hpp"
 
 namespace kvpool {
@@ -34,9 +35,9 @@ public:
         num_pages_ = cfg_.region_bytes / cfg_.page_bytes;
         bytes_ = Channel::bytes_for(num_pages_);
         nonce_ = random_nonce();
-        fd_ = memfd_create("kvpool-mirror", MFD_CLOEXEC);
-        if (fd_ < 0) return Status::make(Code::Backend, errno_text("memfd_create", errno));
-        if (ftruncate(fd_, static_cast<off_t>(bytes_)) != 0) return Status::make(Code::Backend, errno_text("ftruncate", errno));
+        // Sealed against resizing, as the KV memfd (memfd.hpp): a rank maps it
+        // through /proc, and so could any same-user process.
+        if (Status st = create_sealed_memfd("kvpool-mirror", bytes_, &fd_); !st.is_ok()) return st;
         void* m = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
         if (m == MAP_FAILED) return Status::make(Code::Backend, errno_text("mmap (mirror channel)", errno));
         ch_ = new (m) Channel();  // zero-filled file: every word starts at 0

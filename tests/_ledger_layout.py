@@ -73,7 +73,7 @@ def check(pool: str) -> None:
     assert size == ctypes.sizeof(LedgerHeader), (
         f"ledger.hpp changed: the segment is {size} bytes, this mirror {ctypes.sizeof(LedgerHeader)}")
     h = read(pool)
-    assert h.magic == 0x4B56504F4F4C4C34 and h.version == 4 and h.header_bytes == size, "ledger.hpp changed"
+    assert h.magic == 0x4B56504F4F4C4C34 and h.version == 5 and h.header_bytes == size, "ledger.hpp changed"
 
 
 def slot_of(pool: str, tenant: str) -> int:
@@ -91,3 +91,23 @@ def write_at(pool: str, offset: int, data: bytes) -> None:
         assert os.pwrite(fd, data, offset) == len(data)
     finally:
         os.close(fd)
+
+
+class live_locks:
+    """Hold the liveness locks of ``slots`` (ledger.hpp: a live tenant holds an
+    open-file-description lock on its slot's first byte), so rows written by
+    hand look like live tenants of another PID namespace instead of being
+    reaped as dead ones. A context manager; the locks go with it."""
+
+    def __init__(self, pool: str, slots: list[int] | tuple[int, ...]) -> None:
+        import fcntl
+
+        self.fd = os.open(path_of(pool), os.O_RDWR | os.O_NOFOLLOW)
+        for slot in slots:  # a process-associated lock: it conflicts with the ledger's OFD locks all the same
+            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, slot_offset(slot), os.SEEK_SET)
+
+    def __enter__(self) -> live_locks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)

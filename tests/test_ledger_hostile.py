@@ -212,6 +212,63 @@ def test_tenants_in_two_pid_namespaces_share_a_pool_and_never_reap_each_other(
     host.close()
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(bool(_can_unshare()), reason=_can_unshare() or "-")
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_tenant_of_another_pid_namespace_that_dies_is_reaped_and_one_stopped_is_not(
+    how: str, pool_name: str, children: Callable[..., Child]
+) -> None:
+    # Round 3 (pidns_dead_container_leak.py): a container's tenant SIGKILLed
+    # with its whole namespace kept its bytes and its name in the ledger for
+    # ever; the host was refused memory nobody held, and the restarted
+    # container could not join under its name. Its slot's lock (ledger.hpp)
+    # now tells: the kernel drops it with the process; a stopped one keeps it.
+    pages = 16
+    pool = Pool(pool_name, capacity=pages * PCB)
+    host = space(pool, "host")
+    inside = children("hold", pool_name, "container", str(pages // 2 * BLOCKS_PER_PAGE),
+                      prefix=["unshare", "-p", "-f", "--mount-proc", "--kill-child"]).ready()
+    assert inside.json()["committed"] == pages // 2 * PCB
+    assert {t.name: t.visible for t in pool.tenants()} == {"host": True, "container": False}
+    if how == "SIGSTOP":
+        for pid in [inside.proc.pid, *_descendants(inside.proc.pid)]:  # unshare and the container's processes
+            os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: all(proc_state(pid) == "T" for pid in _descendants(inside.proc.pid)), "all stopped")
+        try:
+            assert pool.reap() == 0  # stopped is not dead: its memory is still held
+            with pytest.raises(PoolExhausted):
+                host.alloc(pages * BLOCKS_PER_PAGE)
+            assert {t.name for t in pool.tenants()} == {"host", "container"}
+        finally:
+            for pid in [inside.proc.pid, *_descendants(inside.proc.pid)]:
+                os.kill(pid, signal.SIGCONT)
+        host.close()
+        return
+    inside.proc.kill()  # unshare dies; --kill-child takes the namespace's init with it
+    inside.proc.wait()
+
+    def reaped() -> bool:
+        pool.reap()  # what the next process to look does; the lock goes once the process has exited
+        return "container" not in {t.name for t in pool.tenants()}
+
+    wait_for(reaped, "the container's tenant is reaped")
+    assert [t.name for t in pool.tenants()] == ["host"] and pool.committed == 0
+    ids = host.alloc(pages * BLOCKS_PER_PAGE)  # the whole pool: nobody alive holds any of it
+    host.free(ids)
+    again = space(pool, "container")  # the restarted container joins under its name
+    again.close()
+    host.close()
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = f.read().split()
+    for child in kids:
+        out += [int(child), *_descendants(int(child))]
+    return out
+
+
 # ----------------------------------------------------- D9: corrupted segments
 
 NAME_CHARS = re.compile(r"[A-Za-z0-9._?-]*")
@@ -242,6 +299,7 @@ def test_a_ledger_whose_slots_are_random_bytes_is_read_without_hanging(pool_name
         L.write_at(pool_name, L.slot_offset(slot) + L.TenantSlot.name.offset,
                    bytes(rng.randint(0x80, 0xFF) for _ in range(L.NAME_BYTES)))
 
+    held = L.live_locks(pool_name, (3, 17, 40, 63))  # they look live to a reaper too (foreign, lock held)
     fresh = Pool(pool_name, create=False)
     tenants = bounded(fresh.tenants, "Pool.tenants() of a corrupted ledger")
     assert len(tenants) >= 4  # the rows that look live are shown, not dropped
@@ -258,6 +316,7 @@ def test_a_ledger_whose_slots_are_random_bytes_is_read_without_hanging(pool_name
     assert table.returncode == 0, table.stderr[-2000:]
     pools = _kvpool_cli("pools")
     assert pools.returncode == 0 and pool_name in pools.stdout, pools.stderr[-2000:]
+    held.__exit__()
     # Joining: a typed error (no free slot, a shortage), never a hang or a crash.
     try:
         s = bounded(lambda: space(fresh, "joiner"), "a new tenant joining a corrupted ledger")
@@ -269,8 +328,8 @@ def test_a_ledger_whose_slots_are_random_bytes_is_read_without_hanging(pool_name
 
 @pytest.mark.timeout(300)
 def test_corrupted_rows_claiming_more_than_the_capacity_never_make_room(pool_name: str) -> None:
-    # D9, bounds: rows another namespace owns are never reaped here, so what
-    # they claim is believed; a row claiming more than the whole capacity is
+    # D9, bounds: rows another namespace owns are not reaped here while they
+    # hold their slot's lock, so what they claim is believed; a row claiming more than the whole capacity is
     # corruption and must read as a full pool, never as a negative total.
     pool = Pool(pool_name, capacity=16 * PCB)
     me = space(pool, "me")
@@ -278,11 +337,16 @@ def test_corrupted_rows_claiming_more_than_the_capacity_never_make_room(pool_nam
         t = L.TenantSlot()
         t.pid, t.live, t.pidns, t.name, t.claimed = 4_000_000 + slot, 1, 12345, name, 2**63 - 1
         L.write_at(pool_name, L.slot_offset(slot), bytes(t))
+    held = L.live_locks(pool_name, (10, 11))  # alive, as far as a reaper can tell: believed
     snap = pool.snapshot()
     assert 0 <= snap.committed and snap.committed == sum(t.committed_bytes for t in snap.tenants)
     with pytest.raises(PoolExhausted):
         me.alloc(16 * BLOCKS_PER_PAGE)
     assert me.stats().committed_bytes == 0
+    # Once nothing holds their locks they are the books of the dead: reaped, and the pool is whole again.
+    held.__exit__()
+    assert pool.reap() == 2
+    me.free(me.alloc(16 * BLOCKS_PER_PAGE))
     me.close()
 
 

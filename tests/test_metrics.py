@@ -8,8 +8,10 @@ HTTP server). Every exposition is parsed with prometheus_client's own parser.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -17,6 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -200,3 +203,103 @@ def test_listen_serves_metrics_that_follow_the_ledger(pool_name: str, make_space
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+# ------------------------------------------------------- the exporter's front
+#
+# Round 3 (metrics_listen.py): prometheus_client's server answered 200 with the
+# metrics on any path and held a thread per idle connection (400 idle
+# connections: 402 threads), none ever timed out.
+
+
+@pytest.fixture
+def exporter(pool_name: str, tmp_path: Path) -> Iterator[int]:
+    """A `kvpool metrics --listen` process on a free port; yields the port."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "metrics", pool_name, "--listen", "127.0.0.1:0"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # printed once the socket listens
+    m = re.fullmatch(r"serving http://127\.0\.0\.1:(\d+)/metrics\n", line)
+    try:
+        assert m, (line, proc.communicate(timeout=20))
+        proc.port = int(m.group(1))  # type: ignore[attr-defined]
+        yield proc  # type: ignore[misc]
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def ask(port: int, request: bytes) -> bytes:
+    """Send a raw request and read the whole answer (the exporter closes every connection)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(request)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("request_line", "status"), [
+    (b"GET /metrics HTTP/1.1", 200),
+    (b"GET /metrics?name[]=kvpool_pool_capacity_bytes HTTP/1.0", 200),
+    (b"HEAD /metrics HTTP/1.1", 200),
+    (b"GET /foo HTTP/1.1", 404),
+    (b"GET / HTTP/1.1", 404),
+    (b"GET /../../etc/passwd HTTP/1.0", 404),
+    (b"GET /metrics/../metrics HTTP/1.1", 404),
+    (b"BREW /metrics HTTP/1.1", 405),
+    (b"\x00\xff\xfe garbage", 400),
+    (b"GET /metrics", 400),  # HTTP/0.9
+])
+def test_the_exporter_answers_metrics_on_metrics_only(exporter: Any, request_line: bytes, status: int,
+                                                      pool_name: str) -> None:
+    answer = ask(exporter.port, request_line + b"\r\nHost: x\r\n\r\n")
+    assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer[:200]
+    head, _, body = answer.partition(b"\r\n\r\n")
+    if status == 200 and not request_line.startswith(b"HEAD"):
+        assert f'kvpool_pool_capacity_bytes{{pool="{pool_name}"}}'.encode() in body
+    else:
+        assert b"kvpool_" not in body
+    assert b"Connection: close" in head
+
+
+def threads_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+@pytest.mark.timeout(300)
+def test_idle_connections_cost_no_threads_and_do_not_delay_a_scrape(exporter: Any, pool_name: str) -> None:
+    from kvpool._exporter import MAX_CONNECTIONS
+
+    idle = []
+    try:
+        for _ in range(400):  # what the reproducer held open: a request line, then nothing
+            s = socket.create_connection(("127.0.0.1", exporter.port), timeout=60)
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")
+            idle.append(s)
+        # A scrape beside them is answered (the exporter reads heads concurrently)...
+        answer = ask(exporter.port, b"GET /metrics HTTP/1.1\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+        # ... and they hold no thread each (was 402 threads for 400 connections).
+        assert threads_of(exporter.pid) < 16
+        # Past the cap, a connection is closed at once instead of queued.
+        over = []
+        for _ in range(MAX_CONNECTIONS - len(idle) + 1):
+            over.append(socket.create_connection(("127.0.0.1", exporter.port), timeout=60))
+        over[-1].sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+        # closed without an answer (or reset); never a hang
+        try:
+            assert over[-1].recv(100) == b""
+        except ConnectionResetError:
+            pass
+        for s in over:
+            s.close()
+        # An idle connection is closed by the exporter once its head time is out (the event, not a clock of ours).
+        try:
+            assert idle[0].recv(100) == b""
+        except ConnectionResetError:
+            pass
+    finally:
+        for s in idle:
+            s.close()

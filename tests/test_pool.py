@@ -103,6 +103,53 @@ def test_a_ledger_of_another_layout_version_is_refused(pool_name: str) -> None:
         Pool(pool_name)
 
 
+def own_memfds(prefix: str) -> list[int]:
+    fd_dir = "/proc/self/fd"
+    out = []
+    for fd in os.listdir(fd_dir):
+        try:
+            if os.readlink(f"{fd_dir}/{fd}").startswith(f"/memfd:{prefix}"):
+                out.append(int(fd))
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("kind", ["kv", "mirror channel"])
+def test_a_peer_that_opens_a_memfd_through_proc_cannot_resize_it(pool_name: str, kind: str) -> None:
+    # Regression (round 3, memfd_unsealed.py): a same-user process opened
+    # /proc/<pid>/fd/<n>, ftruncate(0)'d the KV memfd, and the engine died of
+    # SIGBUS at its next touch of KV memory. Now both memfds are sealed.
+    prefix = "kvpool-space" if kind == "kv" else "kvpool-mirror"
+    before = set(own_memfds(prefix))
+    ranks = None if kind == "kv" else [1, 1]
+    with KVSpace(G, pool=Pool(pool_name, capacity=4 * PCB), name="s", ranks=ranks, reserve_thread=False,
+                 reserve=(0, 0)) as s:
+        (fd,) = set(own_memfds(prefix)) - before
+        peer = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # another open file, as a peer's
+        try:
+            size = os.fstat(peer).st_size
+            for new_size in (0, size // 2, size * 2):
+                with pytest.raises(PermissionError):
+                    os.ftruncate(peer, new_size)
+            with pytest.raises(OSError) as e:
+                os.posix_fallocate(peer, size, 4096)  # growing by fallocate
+            assert e.value.errno == errno.EPERM
+            import fcntl
+
+            with pytest.raises(PermissionError):  # F_SEAL_SEAL: nobody can seal our punch-holes away
+                fcntl.fcntl(peer, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+            assert os.fstat(peer).st_size == size
+        finally:
+            os.close(peer)
+        if kind == "kv":  # the engine's memory is whole and usable
+            ids = s.alloc(8)
+            view = s.view(0, 0, torch.int64, (512,))
+            view[torch.from_numpy(ids)] = 3
+            assert int(view[torch.from_numpy(ids)].sum()) == 3 * 8 * 512
+            s.free(ids)
+
+
 def test_joining_a_missing_pool_without_create_fails(pool_name: str) -> None:
     with pytest.raises(LedgerError, match="does not exist"):
         Pool(pool_name, create=False)
