@@ -209,9 +209,11 @@ def top(args: argparse.Namespace) -> int:
         return EXIT_OK
     import signal
 
-    # SIGTERM (kill, a closing tmux pane) and SIGHUP end `top` as Ctrl-C does:
-    # through the `with Live` below, which shows the cursor again (issue 32: it
-    # stayed hidden). Exit 128 + the signal, as a shell reports it.
+    # SIGTERM (kill, a closing tmux pane) and SIGHUP end `top` as Ctrl-C does,
+    # and every way out shows the cursor again (issue 32: it stayed hidden).
+    # The `finally` below, not only `with Live`: a signal that lands inside
+    # Live.__enter__, after it hid the cursor, skips Live.__exit__. Exit 128 +
+    # the signal, as a shell reports it.
     def leave(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)
 
@@ -233,6 +235,9 @@ def top(args: argparse.Namespace) -> int:
                 live.update(_top.render(_top.snapshot(pool), console), refresh=True)
     except KeyboardInterrupt:
         return EXIT_OK
+    finally:
+        if console.is_terminal:
+            console.show_cursor(True)
 
 
 # ------------------------------------------------------------------ limit

@@ -26,5 +26,19 @@ else
   "$PY" -m pip install --progress-bar on "torch==$TORCH" >&2
 fi
 step "building and installing kvpool${EXTRAS:+[$EXTRAS]} (C++ build in an isolated env: a minute or two)"
-"$PY" -m pip install -q ".${EXTRAS:+[$EXTRAS]}" >&2
+# The compiler's progress lines ("[ 40%] Building CXX object ...") as they
+# come, so a minute of C++ does not look like a hang; the whole log is kept
+# and its end shown if the build fails.
+LOG="$(mktemp -t kvpool-build.XXXXXX.log)"
+set +e
+"$PY" -m pip install -v ".${EXTRAS:+[$EXTRAS]}" 2>&1 | tee "$LOG" \
+  | grep --line-buffered -E '^ *\[ *[0-9]+(%|/[0-9]+)\] (Building|Linking)' | sed -u -E 's#^ *(\[[^]]*\]) ([A-Za-z]+) .*[ /]([^ /]+)$#    \1 \2 \3#' >&2
+rc=${PIPESTATUS[0]}
+set -e
+if [[ $rc -ne 0 ]]; then
+  tail -n 60 "$LOG" >&2
+  step "building kvpool failed (exit $rc); the whole log: $LOG"
+  exit "$rc"
+fi
+rm -f "$LOG"
 step "kvpool $("$PY" -c 'import kvpool; print(kvpool.__version__)') is installed in $VENV"

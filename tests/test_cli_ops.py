@@ -403,3 +403,45 @@ def test_limit_with_a_stale_revision_leaves_the_guarantee_alone(
     rc, out, _ = run_main(capsys, "limit", pool, "t", "16MiB", "--revision", "4", "--min", "8MiB")
     assert rc == 1 and out.startswith("stale\n") and "guarantee not changed" in out
     assert _settings(pool)["t"] == (32 * MiB, 5, None, 0)
+
+
+HIDE_CURSOR, SHOW_CURSOR = b"\x1b[?25l", b"\x1b[?25h"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
+def test_top_on_a_terminal_shows_the_cursor_again_however_it_is_stopped(
+    sig: signal.Signals, pools: Callable[..., str], tmp_path: Path,
+) -> None:
+    # Issue 32: `kvpool top` killed by SIGTERM (kill, a closing tmux pane)
+    # left the terminal's cursor hidden; only Ctrl-C restored it.
+    import pty
+
+    name = pools()
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "top", name, "--interval", "0.05"],
+                            stdin=follower, stdout=follower, stderr=follower, cwd=tmp_path,
+                            env={**os.environ, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"})
+    os.close(follower)
+    seen = b""
+    try:
+        while HIDE_CURSOR not in seen:  # the event: the live table is on screen, cursor hidden
+            seen += os.read(leader, 65536)
+        proc.send_signal(sig)
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the last writer closed the terminal
+                break
+            if not chunk:
+                break
+            seen += chunk
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)
+    assert seen.rindex(SHOW_CURSOR) > seen.rindex(HIDE_CURSOR), seen[-300:]
+    assert b"Traceback" not in seen, seen[-2000:]
+    assert rc == (0 if sig == signal.SIGINT else 128 + sig), (rc, seen[-300:])
