@@ -135,7 +135,7 @@ std::shared_ptr<Ledger> Ledger::open(const std::string& name, int64_t capacity, 
         if (st.st_size != static_cast<off_t>(size))
             return fail("pool '" + name + "' has a ledger of another layout (" + std::to_string(st.st_size) +
                         " bytes, this build reads " + std::to_string(size) + "); remove " + path +
-                        " once no engine uses it (`kvpool pools --gc`)");
+                        " once no engine of that build uses it (rm it: `kvpool pools --gc` removes only ledgers it can read)");
     }
     void* m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (m == MAP_FAILED) return fail(errno_text("mmap(" + path + ")", errno));
@@ -162,7 +162,7 @@ std::shared_ptr<Ledger> Ledger::open(const std::string& name, int64_t capacity, 
                                        std::to_string(magic) + ", version " + std::to_string(h->version) +
                                        ", capacity " + std::to_string(h->capacity) + "; this build reads version " +
                                        std::to_string(kLedgerVersion) + "); remove " + path +
-                                       " once no engine uses it (`kvpool pools --gc`)");
+                                       " once no engine of that build uses it (rm it: `kvpool pools --gc` removes only ledgers it can read)");
             return nullptr;  // the destructor unmaps
         }
     }
