@@ -25,7 +25,7 @@ ledger only; no tenant process runs Python for them):
 
 ``kvpool bench {native,async,pool,peers,policy,engines,all} [--quick] [--json
 PATH]`` runs the benchmark harness (:mod:`kvpool.bench`); ``kvpool bench
-report PATH`` prints the README's Numbers section from its JSON.
+report PATH`` prints the Numbers page (docs/numbers.md) from its JSON.
 
 Start-up: the operator commands never import torch, numpy or the manager
 (``kvpool/__init__.py`` loads those lazily); this module imports only the

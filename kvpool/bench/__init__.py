@@ -2,8 +2,8 @@
 
 ``kvpool bench SUITE [--quick] [--json PATH]`` runs one suite (or ``all``),
 prints its report and writes every raw figure to a JSON file;
-``kvpool bench report PATH... [--write-readme README.md]`` turns those files into
-the README's "Numbers" section (:mod:`kvpool.bench.report`).
+``kvpool bench report PATH... [--write-readme docs/numbers.md]`` turns those files into
+the Numbers page (docs/numbers.md) (:mod:`kvpool.bench.report`).
 
 Every figure is printed as a ratio to a baseline measured in the same run
 (the absolute numbers move from machine to machine; the ratios compare like
@@ -82,11 +82,11 @@ def add_arguments(sub: Any) -> None:
                            help="engines: the plugin's page per layer (default: 64 KiB)")
             p.add_argument("--profile", action="store_true", help="engines: cProfile the block pool round trips")
         p.set_defaults(bench=name)
-    p = sub.add_parser("report", help="the README's Numbers section (markdown) from a bench JSON")
+    p = sub.add_parser("report", help="the Numbers page (docs/numbers.md) as markdown, from a bench JSON")
     p.add_argument("paths", nargs="+", metavar="JSON",
                    help="files written by `kvpool bench ... --json` (a later file's suite wins)")
     p.add_argument("--write-readme", metavar="README", default=None,
-                   help="also replace each suite's section between its markers in this README")
+                   help="also replace each suite's section between its markers in this file (docs/numbers.md)")
     p.set_defaults(bench="report")
 
 

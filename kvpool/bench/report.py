@@ -1,4 +1,4 @@
-"""``kvpool bench report``: the README's "Numbers" section, generated from a bench JSON.
+"""``kvpool bench report``: the Numbers page (docs/numbers.md), generated from a bench JSON.
 
 Each suite of the JSON becomes one markdown block between its markers::
 
@@ -7,7 +7,7 @@ Each suite of the JSON becomes one markdown block between its markers::
     <!-- bench:native:end -->
 
 ``kvpool bench report PATH...`` prints the blocks (markers included);
-``--write-readme README.md`` also replaces each block between the same
+``--write-readme docs/numbers.md`` also replaces each block between the same
 markers in that file, leaving every other suite's block as it was, so a
 suite run on another occasion (``engines`` needs the vLLM venv) updates only
 its own. A suite whose figures were not measured (no vLLM interpreter) is
