@@ -137,7 +137,7 @@ def test_engine_benchmark_runs_quick_against_real_vllm(tmp_path: pathlib.Path) -
     assert {g["what"] for g in res["goals"]} >= {"tokens/s, plugin / vLLM", "get_num_free_blocks, kvpool / vLLM"}
 
 
-SETUP_SCRIPTS = ("setup.sh", "demo.sh", "test.sh", "vllm_venv.sh", "vllm_src.sh")
+SETUP_SCRIPTS = ("setup.sh", "demo.sh", "test.sh", "vllm_venv.sh", "vllm_src.sh", "sglang_src.sh")
 
 
 def test_progress_lines_go_to_stderr_with_the_elapsed_time() -> None:
