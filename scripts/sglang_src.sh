@@ -6,10 +6,11 @@
 # Python (scripts/vllm_venv.sh), which already holds the CPU torch and most of
 # SGLang's pure-Python dependencies (transformers, pydantic, zmq, triton...).
 #
-# SGLang itself cannot be installed here: it pins torch==2.14.1 (a CUDA
+# SGLang cannot be pip-installed here (its source runs: the server starts on
+# CPU with --attention-backend torch_native): it pins torch==2.14.1 (a CUDA
 # build, GBs), flashinfer, sglang-kernel (CUDA kernels; no CPU wheel on
 # PyPI) and more. So: its wheel (~40 MB) --no-deps, without its .so files; the
-# four small dependencies the vLLM venv lacks, --no-deps into deps/; and a
+# five small dependencies the vLLM venv lacks, --no-deps into deps/; and a
 # torchvision stand-in (tests/sglang_support/stubs: torchvision's wheels are
 # CUDA-linked and fail to load beside the CPU torch).
 set -euo pipefail
@@ -39,7 +40,7 @@ with zipfile.ZipFile(wheel) as z:
 EOF
   step "installing the small dependencies the vLLM venv lacks into $DEST/deps (--no-deps)"
   "$PY" -m pip install -q --no-deps --target "$DEST.partial/deps" \
-    orjson==3.13.0 ipython==9.19.1 traitlets==5.16.1 gguf==0.19.0 >&2
+    orjson==3.13.0 ipython==9.19.1 traitlets==5.16.1 gguf==0.19.0 soundfile==0.14.0 >&2
   cp -r tests/sglang_support/stubs "$DEST.partial/stubs"
   mv "$DEST.partial" "$DEST"
   touch "$MARK"
