@@ -16,6 +16,7 @@ with 2 and 3 MiB agreed with 64 MiB on all 20).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -40,6 +41,45 @@ DTYPE = "float32"
 GEMMA_PAGE = 64 << 10  # the tiny Gemma 3's page (float32 blocks of 16 KiB: 4 a page)
 LENGTHS = (5, 17, 40, 90, 150, 33, 64, 120, 8, 200)
 MAX_TOKENS = 96
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """A vLLM release the unit-level checks (patch table, block pool contract)
+    run against: the vLLM venv's own, or a release's Python source
+    (scripts/vllm_src.sh) put first on the venv's path, for releases with no
+    CPU build (0.33: its modules import with the venv's CPU torch; no engine
+    runs, its compiled ops are CUDA-only)."""
+
+    version: str  # "" for the venv's own
+    source: str = ""  # the unpacked source directory
+
+    @property
+    def id(self) -> str:
+        return f"source-{self.version}" if self.source else "venv"
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment of a child of the vLLM venv that imports this release."""
+        env = dict(os.environ if base is None else base)
+        if self.source:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (self.source, env.get("PYTHONPATH", "")) if p)
+            env["KVPOOL_EXPECT_VLLM"] = self.version
+        return env
+
+
+def _source_release(path: str) -> Release:
+    infos = sorted(pathlib.Path(path).glob("vllm-*.dist-info"))
+    if not (pathlib.Path(path) / "vllm" / "__init__.py").is_file() or len(infos) != 1:
+        raise RuntimeError(f"KVPOOL_VLLM_SOURCES names {path!r}, which is not an unpacked vLLM (scripts/vllm_src.sh)")
+    return Release(infos[0].name[len("vllm-"):-len(".dist-info")], path)
+
+
+# $KVPOOL_VLLM_SOURCES: unpacked sources (scripts/vllm_src.sh), separated by
+# os.pathsep; scripts/test.sh sets it. Under KVPOOL_REQUIRE_VLLM=1 it must be set.
+SOURCES = [p for p in os.environ.get("KVPOOL_VLLM_SOURCES", "").split(os.pathsep) if p]
+if not SOURCES and VLLM_PYTHON and os.environ.get("KVPOOL_REQUIRE_VLLM") == "1":
+    raise RuntimeError("KVPOOL_REQUIRE_VLLM=1 but KVPOOL_VLLM_SOURCES is not set (run scripts/test.sh)")
+RELEASES = [Release(""), *(_source_release(p) for p in SOURCES)]
 
 
 def require_vllm() -> None:

@@ -26,8 +26,8 @@ import pytest
 
 from kvpool import Geometry, KVSpace, Pool, PoolExhausted
 
-from ._vllm_engines import (HERE, UNIT, VLLM_PYTHON, build_model, committed, finish, phase, pool_name, prompts,
-                            require_vllm, run_engine, run_together)  # pool_name: a fixture
+from ._vllm_engines import (HERE, RELEASES, UNIT, VLLM_PYTHON, Release, build_model, committed, finish, phase,
+                            pool_name, prompts, require_vllm, run_engine, run_together)  # pool_name: a fixture
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]  # real engines start in child processes
 
@@ -61,11 +61,14 @@ CHECK_NAMES = re.findall(r"^@check\ndef (\w+)", (HERE / "block_pool_checks.py").
 assert len(CHECK_NAMES) >= 10, CHECK_NAMES  # the pattern still matches the checks file
 
 
-@pytest.fixture(scope="session")
-def block_pool_checks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+@pytest.fixture(scope="session", params=RELEASES, ids=[r.id for r in RELEASES])
+def block_pool_checks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Every contract check against one vLLM release's BlockPool (RELEASES:
+    the venv's 0.32 and 0.33's source, tests/vllm_support/block_pool_checks.py)."""
+    release: Release = request.param
     tmp = tmp_path_factory.mktemp("block-pool")
     res = subprocess.run([VLLM_PYTHON, str(HERE / "block_pool_checks.py"), f"test-bp-{uuid.uuid4().hex[:6]}"],
-                         cwd=tmp, capture_output=True, text=True, timeout=300)
+                         cwd=tmp, env=release.env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
     results: dict[str, str] = json.loads(res.stdout.strip().splitlines()[-1])
     return results

@@ -137,7 +137,7 @@ def test_engine_benchmark_runs_quick_against_real_vllm(tmp_path: pathlib.Path) -
     assert {g["what"] for g in res["goals"]} >= {"tokens/s, plugin / vLLM", "get_num_free_blocks, kvpool / vLLM"}
 
 
-SETUP_SCRIPTS = ("setup.sh", "demo.sh", "test.sh", "vllm_venv.sh")
+SETUP_SCRIPTS = ("setup.sh", "demo.sh", "test.sh", "vllm_venv.sh", "vllm_src.sh", "sglang_src.sh")
 
 
 def test_progress_lines_go_to_stderr_with_the_elapsed_time() -> None:
@@ -147,8 +147,8 @@ def test_progress_lines_go_to_stderr_with_the_elapsed_time() -> None:
     assert re.fullmatch(r"\[kvpool +\d+s\] building kvpool\n", res.stderr), res.stderr
 
 
-# A command that can take minutes: a venv, a pip install (not the pip self-update), pytest, the demo.
-LONG_STEP = re.compile(r"-m venv|pip install (?!-q --upgrade pip)|bin/pytest|bin/kvpool\" demo")
+# A command that can take minutes: a venv, a pip install (not the pip self-update) or download, pytest, the demo.
+LONG_STEP = re.compile(r"-m venv|pip install (?!-q --upgrade pip)|pip download|bin/pytest|bin/kvpool\" demo")
 
 
 @pytest.mark.parametrize("script", SETUP_SCRIPTS)

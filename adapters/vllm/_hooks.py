@@ -1,7 +1,15 @@
-"""Where the plugin meets vLLM (0.32): the table of patch points
+"""Where the plugin meets vLLM (0.32 and 0.33): the table of patch points
 (:data:`PATCHES`) and their replacements. How a table is applied
 (all-or-nothing, version-gated, reversible, rows set when vLLM imports their
 module) is :mod:`._patching`'s concept.
+
+One table serves both releases: 0.33 moved none of these names. Its
+differences at these points are new trailing keyword parameters
+(``num_hash_lookahead_tokens`` on ``BlockPool`` and
+``KVCacheCoordinator.__init__``), which the replacements forward, and
+vLLM's own ``touch``/``free_blocks`` now skip the null block, which the
+plugin never hands out. 0.33's ``ExecutorWithExternalLauncher`` gains its
+own ``shutdown``; it calls the patched ``UniProcExecutor.shutdown`` first.
 
 The points, in the order they act:
 

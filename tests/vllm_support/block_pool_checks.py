@@ -3,7 +3,8 @@
 Run with the vLLM venv's Python: ``python block_pool_checks.py POOL_PREFIX``.
 Each check builds its own space in its own pool and raises on a broken
 contract; the script prints one JSON object {check name: "ok" | traceback}
-(tests/test_adapter_vllm.py asserts every entry is "ok"). Commit unit:
+(tests/test_adapter_vllm.py asserts every entry is "ok", for each vLLM
+release in tests/_vllm_engines.RELEASES). Commit unit:
 16 KiB pages x 1 region = 4 blocks of 4 KiB.
 """
 
@@ -22,6 +23,8 @@ from kvpool import Geometry, KVSpace, Pool, PoolExhausted
 from kvpool.adapters.vllm.admission import check_one_request_fits
 from kvpool.adapters.vllm import block_pool as bp
 from kvpool.adapters.vllm.block_pool import KVPoolBlockPool
+
+from hooks_checks import check_release  # this directory is the script's: first on sys.path
 
 PAGE, BLOCK, N = 16384, 4096, 64
 PER_PAGE = PAGE // BLOCK
@@ -625,6 +628,7 @@ def a_limit_lowered_after_the_count_refuses_at_once_what_the_cache_cannot_serve(
 
 
 def main() -> None:
+    check_release()
     prefix = sys.argv[1]
     results: dict[str, str] = {}
     for i, (name, fn) in enumerate(CHECKS.items()):

@@ -9,9 +9,12 @@ contracts (all-or-nothing, idempotent, reversible, version-gated).
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import traceback
@@ -274,15 +277,15 @@ def an_untested_vllm_release_is_refused_naming_the_range_unless_forced() -> None
     real = vllm.__version__
     os.environ.pop(P.ALLOW_UNTESTED_ENV, None)
     try:
-        for ok in ("0.32.0", "0.32.7", "0.32.0+cpu", "0.32.1.dev3"):
+        for ok in ("0.32.0", "0.32.7", "0.32.0+cpu", "0.32.1.dev3", "0.33.0", "0.33.1rc1"):
             P.check_version(ok)
-        for bad in ("0.33.0", "0.31.2", "1.0.0", "unknown"):
+        for bad in ("0.34.0", "0.31.2", "1.0.0", "unknown"):
             vllm.__version__ = bad
             try:
                 H.install()
             except H.UnsupportedVLLM as e:
                 msg = str(e)
-                assert ">=0.32,<0.33" in msg and f"vLLM {bad}" in msg and P.ALLOW_UNTESTED_ENV in msg, msg
+                assert ">=0.32,<0.34" in msg and f"vLLM {bad}" in msg and P.ALLOW_UNTESTED_ENV in msg, msg
             else:
                 raise AssertionError(f"vLLM {bad} must be refused")
             assert_stock(stock)
@@ -301,11 +304,118 @@ def an_untested_vllm_release_is_refused_naming_the_range_unless_forced() -> None
         finally:
             P._vllm_log.removeHandler(keep)
             H.uninstall()
-        assert any(r.levelno == logging.WARNING and ">=0.32,<0.33" in r.getMessage() for r in records), records
+        assert any(r.levelno == logging.WARNING and ">=0.32,<0.34" in r.getMessage() for r in records), records
     finally:
         vllm.__version__ = real
         os.environ.pop(P.ALLOW_UNTESTED_ENV, None)
     assert_stock(stock)
+
+
+def _calls(sig: inspect.Signature) -> list[tuple[list[str], dict[str, str]]]:
+    """The ways a caller may call a function of this signature: every
+    parameter by position, and every parameter that may be by keyword."""
+    named = [p for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    positional = [p.name for p in named if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keyword_only = {p.name: p.name for p in named if p.kind == p.KEYWORD_ONLY}
+    only_positional = [p.name for p in named if p.kind == p.POSITIONAL_ONLY]
+    by_keyword = {p.name: p.name for p in named if p.kind != p.POSITIONAL_ONLY}
+    return [(positional, keyword_only), (only_positional, by_keyword)]
+
+
+def _signature_problems() -> list[str]:
+    """Calls vLLM makes that a replacement would not take, and calls a
+    replacement makes that vLLM's original would not take."""
+    import vllm.v1.worker.cpu_worker  # noqa: F401  (its row is on_import; run in a fresh process)
+
+    problems = []
+    for point in H.PATCHES:
+        r = P.resolve(point, sys.modules[point.module] if point.on_import else None)
+        assert r is not None, point.name
+        original = r[2]
+        want, got = inspect.signature(original), inspect.signature(point.make(original))
+        for args, kwargs in _calls(want):
+            try:
+                got.bind(*args, **kwargs)
+            except TypeError as e:
+                problems.append(f"{point.name}: vLLM's call ({args}, {kwargs}) does not fit the replacement {got}: {e}")
+        if not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in got.parameters.values()):
+            forwarded = [p.name for p in got.parameters.values()]
+            try:
+                want.bind(*forwarded)
+            except TypeError as e:
+                problems.append(f"{point.name}: the replacement calls vLLM's {want} with {forwarded}: {e}")
+    # What the replacements call in vLLM, as they call it (_hooks._views).
+    from vllm.v1.kv_cache_interface import create_kv_cache_views
+
+    try:
+        inspect.signature(create_kv_cache_views).bind("raw", "spec", "num_blocks", "kv_layout", "view",
+                                                      kernel_block_size=None)
+    except TypeError as e:
+        problems.append(f"create_kv_cache_views{inspect.signature(create_kv_cache_views)}: {e}")
+    return problems
+
+
+def _in_a_fresh_process(function: str) -> Any:
+    """This module's ``function()`` in a fresh process (vLLM's CPU worker patches torch as it loads)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return _fresh(f"import json, sys\nsys.path.insert(0, {here!r})\nimport hooks_checks\n"
+                  f"print(json.dumps(hooks_checks.{function}()))\n")
+
+
+@check
+def every_replacement_takes_every_call_vllm_makes_to_the_original_and_forwards_it() -> None:
+    # Issue 33: the table must fit the release it patches, not only resolve
+    # in it. vLLM may call an original with any parameter by position or by
+    # keyword (0.32 and 0.33 build BlockPool by keyword); the replacement
+    # must accept each such call, and a replacement that names its
+    # parameters calls the original with them, which the original must take.
+    problems = _in_a_fresh_process("_signature_problems")
+    assert problems == [], "\n".join(problems)
+
+
+# What the replacements (and the block pool) read on vLLM's objects: a
+# release that renames one fails here by name, not in an engine.
+READS = {
+    "vllm.v1.core.sched.scheduler.Scheduler": ("waiting", "kv_holding_waiting", "defer_block_free",
+                                               "kv_cache_manager", "vllm_config", "schedule"),
+    "vllm.v1.core.kv_cache_manager.KVCacheManager": ("block_pool", "allocate_slots"),
+    "vllm.v1.engine.core.EngineCore": ("model_executor", "scheduler"),
+    "vllm.v1.engine.core.EngineCoreProc": ("input_queue",),
+    "vllm.v1.executor.abstract.Executor": ("vllm_config",),
+    "vllm.v1.worker.cpu_worker.CPUWorker": ("cache_config", "model_runner", "_should_warm_up_model"),
+    "vllm.v1.worker.cpu_model_runner.CPUModelRunner": ("warming_up_model",),
+    "vllm.config.VllmConfig": ("max_concurrent_batches", "parallel_config", "device_config", "model_config",
+                               "cache_config"),
+    "vllm.v1.core.block_pool.BlockPool": ("blocks", "free_block_queue", "null_block", "enable_caching",
+                                          "num_gpu_blocks", "_reuse_watchers", "get_new_blocks", "free_blocks",
+                                          "touch", "get_num_free_blocks", "get_usage", "reset_prefix_cache",
+                                          "get_cached_block", "_insert_block_hash"),
+    "vllm.v1.core.kv_cache_utils.KVCacheBlock": ("block_id", "ref_cnt", "block_hash", "is_null",
+                                                 "prev_free_block", "next_free_block"),
+    "vllm.v1.kv_cache_interface.KVCacheConfig": ("num_blocks", "kv_cache_tensors", "kv_cache_groups"),
+    "vllm.v1.kv_cache_interface.KVCacheTensor": ("size", "layers", "layer_stride", "block_stride", "offset"),
+}
+
+
+def _missing_reads() -> list[str]:
+    """The READS no class (or base) of this vLLM defines or assigns."""
+    missing = []
+    for path, attrs in READS.items():
+        module, name = path.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), name)
+        source = "".join(inspect.getsource(c) for c in cls.__mro__ if c.__module__.startswith("vllm"))
+        fields = set(getattr(cls, "__dataclass_fields__", {})) | set(getattr(cls, "__slots__", ()))
+        for attr in attrs:
+            assigned = re.search(rf"self\.{attr}\s*(:[^=\n]*)?=[^=]", source)
+            if not (hasattr(cls, attr) or attr in fields or assigned):
+                missing.append(f"{path}.{attr}")
+    return missing
+
+
+@check
+def every_attribute_the_plugin_reads_on_vllms_objects_is_there() -> None:
+    missing = _in_a_fresh_process("_missing_reads")
+    assert missing == [], f"not set by this vLLM: {missing}"
 
 
 @check
@@ -472,7 +582,15 @@ def ranks_that_page_differently_are_refused() -> None:
         raise AssertionError("ranks of different block bytes must be refused")
 
 
+def check_release() -> None:
+    """The vLLM imported is the release the test asked for (tests/_vllm_engines.Release)."""
+    expected = os.environ.get("KVPOOL_EXPECT_VLLM")
+    if expected and not vllm.__version__.startswith(expected):
+        sys.exit(f"expected vLLM {expected}, imported {vllm.__version__} from {vllm.__file__}")
+
+
 def main() -> None:
+    check_release()
     # Imported up front, as a worker process has them: the table's
     # "if imported" points are then patched and checked too.
     import vllm.v1.worker.gpu.attn_utils  # noqa: F401

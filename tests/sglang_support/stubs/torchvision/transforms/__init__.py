@@ -1,0 +1,1 @@
+from .._missing import __getattr__  # noqa: F401
