@@ -11,28 +11,36 @@ order, see exactly one waiting request per engine, as a server's scheduler
 does. Time waiting for memory is counted from when a request joined the
 queue to its grant, every time it joins (arrival, and each preemption).
 
-Preemption (ARCHITECTURE.md, fair share, rule 5). While this tenant *lends* (it
-holds more than its guarantee while a tenant below its own waits) the pool
-refuses its allocs and gives its emptied pages back at once, but memory held
-by running requests stays held until they finish: a lender whose requests
-generate for a long time would starve its neighbours anyway. So, as vLLM does
-when its cache is full, once per engine step the engine asks the manager
-whether it lends and, while it does, preempts its most recently started
-request: frees its blocks and puts it back at the head of its queue
-(``recompute``: when it is admitted again, its prompt and the tokens it has
-generated so far are prefilled anew; decoding is greedy, so the tokens that
-follow are the same). A preempted request keeps the tokens it already emitted
-and its first-token time.
+Reclaim by completion first (ARCHITECTURE.md, fair share; issue 31). While this
+tenant *lends* (it holds more than its guarantee while a tenant below its
+own waits) the pool refuses its allocs, so it admits nothing and does not
+grow, and gives its emptied pages back at once: memory its running requests
+free as they finish goes to the waiter. Each step the engine publishes
+``freeing``, the bytes of its running requests that finish within
+:data:`RECLAIM_STEPS` decode steps, and reads its budget's verdict: the
+native budget (the one judge) counts the pool's free memory and every
+lender's freeing against the starving waiters' need and asks a lender to
+preempt (``preempt_bytes`` > 0) only the deficit completions cannot cover,
+split among the lenders. The engine then preempts exactly enough blocks for
+it, as vLLM does when its cache is full: the victims whose recompute is
+cheapest (fewest computed tokens: an admitted request not yet prefilled
+costs nothing), never one that finishes within the bound, and a request
+already preempted once only when nothing else covers the verdict (no
+ping-pong: memory just granted back is not taken again first). A victim's
+blocks are freed as a preemption (counted in the tenant's ledger slot) and
+it goes back to the head of the queue (``recompute``: when admitted again,
+its prompt and the tokens it generated so far are prefilled anew; decoding
+is greedy, so the tokens that follow are the same). A preempted request
+keeps the tokens it already emitted and its first-token time.
 
-When to stop preempting. ``lending`` turns false only once the waiting
-tenant's grant has been taken (its published want drops to 0), not when
-enough memory is free for it. Engines of one process hand freed capacity to
-their peers at once (``KVCacheManager.poll``), so the verdict is current
-after each preemption and an engine preempts exactly as many requests as the
-waiter needs. Across processes the waiter takes its grant only when its own
-event loop wakes, later: there an engine preempts one request per step and
-looks again at the next, instead of emptying itself down to its guarantee
-on a stale verdict.
+When to stop preempting. The verdict counts free memory, so it drops as
+soon as the freed blocks' pages are back in the pool, whether or not the
+waiter has taken them yet. Engines of one process hand freed capacity to
+their peers at once (``KVCacheManager.poll``), so within one step an engine
+looks again after each preemption (pages shared with running requests may
+free fewer bytes than the blocks). Across processes a lender's emptied pages
+may still be on their way back (its reserve thread releases them), so there
+an engine acts on one verdict per step and looks again at the next.
 """
 
 from __future__ import annotations
@@ -42,18 +50,37 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ._demo_clock import RealClock
 from ._demo_traces import Request
+from .errors import PoolClosed
 from .manager import KVCacheManager
+
+# The reclaim bound: a running request that finishes within this many decode
+# steps frees its memory by completion and is never preempted. Measured on
+# the virtual clock (scripts/demo_virtual_sweep.py): see the report of issue 31.
+RECLAIM_STEPS = 16
+
+
+class Running:
+    """A running request as the reclaim decision sees it."""
+
+    __slots__ = ("request", "steps_left", "computed")
+
+    def __init__(self, request: Request, steps_left: int, computed: int) -> None:
+        self.request = request
+        self.steps_left = steps_left  # decode steps until it finishes (and frees its blocks)
+        self.computed = computed      # tokens whose K/V a preemption destroys (what recompute costs)
 
 
 class Scheduler:
     """One engine's admission queue and its reaction to lending.
 
-    Subclasses keep the running requests and say how to take the newest one
-    out (:meth:`_take_newest`) and how a granted request joins
-    (:meth:`_started`); :meth:`serve` steps the engine and calls
-    :meth:`act_on_lending` at the start of every step.
+    Subclasses keep the running requests, list them for the reclaim
+    decision (:meth:`_running_requests`), take one out (:meth:`_take`) and
+    say how a granted request joins (:meth:`_started`); :meth:`serve` steps
+    the engine and calls :meth:`act_on_lending` at the start of every step.
     """
 
     def __init__(self, index: int, manager: KVCacheManager, clock: RealClock) -> None:
@@ -68,7 +95,11 @@ class Scheduler:
         self._rewait = 0.0  # the part spent waiting again after a preemption
         self.tokens = 0
         self.preemptions = 0
-        self.recomputed_tokens = 0  # prompt and generated tokens prefilled again after a preemption
+        self.recomputed_tokens = 0  # computed tokens whose K/V a preemption destroyed (prefilled again)
+        self.preemptions_asked = 0  # verdicts with preempt_bytes > 0 acted on
+        self.reclaimed: dict[str, int] = {}  # the budget's counters at the end of the run
+        g = manager.space.geometry
+        self.block_bytes = g.region_block_bytes * g.num_regions  # what one block costs the pool
         self.peak_committed = 0
         self.wake = asyncio.Event()  # something to run
         self._queued = asyncio.Event()  # something to admit
@@ -95,6 +126,9 @@ class Scheduler:
                 "requests": len(self.finished), "tokens": self.tokens, "wait_s": self.wait_s,
                 "preempted_wait_s": self.preempted_wait_s, "preemptions": self.preemptions,
                 "recomputed_tokens": self.recomputed_tokens, "peak_committed_bytes": self.peak_committed,
+                "preemptions_asked": self.preemptions_asked,
+                "reclaimed_by_completion_bytes": self.reclaimed.get("completion", 0),
+                "reclaimed_by_preemption_bytes": self.reclaimed.get("preemption", 0),
                 "outputs": {r.rid: r.output for r in self.finished}}
 
     # ---------------------------------------------------------- admission
@@ -114,6 +148,13 @@ class Scheduler:
             for t in (serve, *tasks):
                 t.cancel()
             await asyncio.gather(serve, *tasks, return_exceptions=True)
+            try:
+                b = self.m.budget()  # the tenant's own counters (its ledger slot)
+            except PoolClosed:
+                pass
+            else:
+                self.reclaimed = {"completion": b.reclaimed_by_completion_bytes,
+                                  "preemption": b.reclaimed_by_preemption_bytes}
 
     async def _arrive(self, trace: list[Request], t0: float) -> None:
         for r in trace:
@@ -163,24 +204,60 @@ class Scheduler:
 
     # --------------------------------------------------------- preemption
     def act_on_lending(self) -> None:
-        """Once per step: while this tenant lends, preempt the newest running request."""
-        while self.m.lending:
-            taken = self._take_newest()
-            if taken is None:
+        """Once per step: publish what completes within the bound; preempt only what the budget asks."""
+        running = self._running_requests()
+        self.m.publish_freeing(self._freeing(running))
+        b = self.m.budget()
+        while b.lending and b.preempt_bytes > 0:
+            victims = self._victims(running, b.preempt_bytes)
+            if not victims:
                 return
-            r, ids = taken
-            self.m.free(ids)
-            self.preemptions += 1
-            r.preemptions += 1
-            r.queued = self.clock.now()
-            self.pending.appendleft(r)  # ahead of every request not yet admitted, as vLLM does
-            if self._alloc is not None:  # the admitter waits for a later request: ask for r first
+            ids = np.concatenate([np.asarray(self._take(v.request), dtype=np.int64) for v in victims])
+            tokens = sum(v.computed for v in victims)
+            self.m.free_preempted(ids, requests=len(victims), tokens=tokens)
+            self.preemptions_asked += 1
+            self.preemptions += len(victims)
+            self.recomputed_tokens += tokens
+            now = self.clock.now()
+            # Ahead of every request not yet admitted, as vLLM does; the
+            # earliest admitted of them first.
+            for v in sorted(victims, key=lambda v: v.request.admitted, reverse=True):
+                v.request.preemptions += 1
+                v.request.queued = now
+                self.pending.appendleft(v.request)
+            if self._alloc is not None:  # the admitter waits for a later request: ask for the head first
                 self._head_moved = True
                 self._alloc.cancel()
             self._queued.set()
             if self.peers is None:
-                return  # across processes: one a step (see the module docstring)
+                return  # across processes: one verdict a step (see the module docstring)
             self.poll_peers()
+            running = self._running_requests()
+            self.m.publish_freeing(self._freeing(running))
+            b = self.m.budget()
+
+    def _freeing(self, running: list[Running]) -> int:
+        """Bytes of the running requests that finish within the bound."""
+        return sum(v.request.blocks for v in running if v.steps_left <= RECLAIM_STEPS) * self.block_bytes
+
+    def _victims(self, running: list[Running], need_bytes: int) -> list[Running]:
+        """The cheapest requests to recompute whose blocks cover ``need_bytes``.
+
+        Never one that finishes within the bound (it frees its memory by
+        completion); fewest computed tokens first, a request already
+        preempted once last (it was just granted back: no ping-pong), the
+        most recently admitted first among equals.
+        """
+        candidates = sorted((v for v in running if v.steps_left > RECLAIM_STEPS),
+                            key=lambda v: (v.request.preemptions > 0, v.computed, -v.request.admitted))
+        out: list[Running] = []
+        covered = 0
+        for v in candidates:
+            if covered >= need_bytes:
+                break
+            out.append(v)
+            covered += v.request.blocks * self.block_bytes
+        return out
 
     def poll_peers(self) -> None:
         # Synchronously, in a fixed order: what the native watcher's eventfd
@@ -188,8 +265,12 @@ class Scheduler:
         for peer in self.peers or ():
             peer.m.poll()
 
-    def _take_newest(self) -> tuple[Request, Any] | None:
-        """Remove the most recently started request from the running ones: (request, its block ids)."""
+    def _running_requests(self) -> list[Running]:
+        """Every running request (admitted, prefilled or not) with its steps left and computed tokens."""
+        raise NotImplementedError
+
+    def _take(self, r: Request) -> Any:
+        """Remove ``r`` from the running requests; returns its block ids."""
         raise NotImplementedError
 
     async def serve(self, total: int) -> None:

@@ -54,6 +54,8 @@ def _state(t: dict[str, Any]) -> Text:
     words = []
     if t.get("lending"):
         words.append("lending")  # gives memory back: a tenant below its guarantee is waiting
+        if t.get("preempt_bytes"):
+            words.append("preempting")  # completions will not cover the waiter's need in time
     if t.get("limit_state", "applied") != "applied":
         words.append("deferred")  # above a new limit: no growth, pages go back as they empty
     return Text(",".join(words) or "-", style="yellow" if words else "")
@@ -76,6 +78,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("LIMIT", "limit_bytes", lambda t: fmt_size(t.get("limit_bytes"))),
     Column("WAITING", "waiting", lambda t: str(t.get("waiting", "-"))),
     Column("IDLE PAGES", "reserve_pages", lambda t: str(t.get("reserve_pages", "-"))),
+    Column("PREEMPTED", "requests_preempted", lambda t: str(t.get("requests_preempted", "-"))),
     Column("STATE", "limit_state", _state, justify="left"),
 )
 # Left out first when the terminal is too narrow (the rest: PID, COMMITTED, LIMIT, WAITING).

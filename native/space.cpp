@@ -432,7 +432,16 @@ BudgetFigures Space::budget() {
     if (!check_usable().is_ok()) return BudgetFigures{};
     std::lock_guard<std::mutex> lk(mu_);
     refresh_budget_locked();
+    budget_.judge_preempt();  // rule 6: on a fresh snapshot (others' freeing moves without a generation)
     return budget_.figures();
+}
+
+Status Space::publish_freeing(int64_t bytes) {
+    Status usable = check_usable();
+    if (!usable.is_ok()) return usable;
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return Status::make(Code::Closed, "space is closed");
+    return budget_.publish_freeing(bytes);
 }
 
 int64_t Space::allocated_bytes() {
