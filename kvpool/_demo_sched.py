@@ -66,10 +66,11 @@ RECLAIM_STEPS = 16
 class Running:
     """A running request as the reclaim decision sees it."""
 
-    __slots__ = ("request", "steps_left", "computed")
+    __slots__ = ("request", "ids", "steps_left", "computed")
 
-    def __init__(self, request: Request, steps_left: int, computed: int) -> None:
+    def __init__(self, request: Request, ids: Any, steps_left: int, computed: int) -> None:
         self.request = request
+        self.ids = ids  # its block ids: the pages it keeps from emptying
         self.steps_left = steps_left  # decode steps until it finishes (and frees its blocks)
         self.computed = computed      # tokens whose K/V a preemption destroys (what recompute costs)
 
@@ -99,7 +100,8 @@ class Scheduler:
         self.preemptions_asked = 0  # verdicts with preempt_bytes > 0 acted on
         self.reclaimed: dict[str, int] = {}  # the budget's counters at the end of the run
         g = manager.space.geometry
-        self.block_bytes = g.region_block_bytes * g.num_regions  # what one block costs the pool
+        self.page_bytes = g.page_commit_bytes  # what one page costs the pool
+        self._page_first = np.asarray(g._ranges[0], dtype=np.int64)  # first block of each page
         self.peak_committed = 0
         self.wake = asyncio.Event()  # something to run
         self._queued = asyncio.Event()  # something to admit
@@ -236,27 +238,52 @@ class Scheduler:
             self.m.publish_freeing(self._freeing(running))
             b = self.m.budget()
 
+    def _pages(self, v: Running) -> np.ndarray:
+        """The pages ``v``'s blocks lie on."""
+        return np.unique(np.searchsorted(self._page_first, np.asarray(v.ids, dtype=np.int64), side="right") - 1)
+
+    def _holders(self, running: list[Running]) -> tuple[dict[int, int], set[int], list[Running]]:
+        """Per page, how many running requests that do not finish within the bound hold
+        blocks on it; the pages finishing requests hold; the requests that do not finish."""
+        held: dict[int, int] = {}
+        finishing: set[int] = set()
+        staying = []
+        for v in running:
+            pages = self._pages(v).tolist()
+            if v.steps_left <= RECLAIM_STEPS:
+                finishing.update(pages)
+                continue
+            staying.append(v)
+            for p in pages:
+                held[p] = held.get(p, 0) + 1
+        return held, finishing, staying
+
     def _freeing(self, running: list[Running]) -> int:
-        """Bytes of the running requests that finish within the bound."""
-        return sum(v.request.blocks for v in running if v.steps_left <= RECLAIM_STEPS) * self.block_bytes
+        """Bytes that completions within the bound give back: the pages only finishing requests hold
+        (a page shared with a request that keeps running stays committed)."""
+        held, finishing, _ = self._holders(running)
+        return sum(1 for p in finishing if p not in held) * self.page_bytes
 
     def _victims(self, running: list[Running], need_bytes: int) -> list[Running]:
-        """The cheapest requests to recompute whose blocks cover ``need_bytes``.
+        """The cheapest requests to recompute whose removal empties pages worth ``need_bytes``.
 
         Never one that finishes within the bound (it frees its memory by
         completion); fewest computed tokens first, a request already
         preempted once last (it was just granted back: no ping-pong), the
-        most recently admitted first among equals.
+        most recently admitted first among equals. A page empties once no
+        request that keeps running holds a block on it.
         """
-        candidates = sorted((v for v in running if v.steps_left > RECLAIM_STEPS),
-                            key=lambda v: (v.request.preemptions > 0, v.computed, -v.request.admitted))
+        held, _, staying = self._holders(running)
         out: list[Running] = []
-        covered = 0
-        for v in candidates:
-            if covered >= need_bytes:
+        gained = 0
+        for v in sorted(staying, key=lambda v: (v.request.preemptions > 0, v.computed, -v.request.admitted)):
+            if gained >= need_bytes:
                 break
             out.append(v)
-            covered += v.request.blocks * self.block_bytes
+            for p in self._pages(v).tolist():
+                held[p] -= 1
+                if held[p] == 0:
+                    gained += self.page_bytes
         return out
 
     def poll_peers(self) -> None:

@@ -150,8 +150,9 @@ class VirtualEngine(Scheduler):
 
     def _running_requests(self) -> list[Running]:
         # Admitted, not prefilled yet: nothing computed, nothing to recompute.
-        out = [Running(r, r.new_tokens - r.generated, 0) for r, _ in self.incoming]
-        out += [Running(r, int(left), int(ctx)) for (r, _), left, ctx in zip(self.batch, self.left, self.context)]
+        out = [Running(r, ids, r.new_tokens - r.generated, 0) for r, ids in self.incoming]
+        out += [Running(r, ids, int(left), int(ctx))
+                for (r, ids), left, ctx in zip(self.batch, self.left, self.context)]
         return out
 
     def _take(self, r: Request) -> Any:

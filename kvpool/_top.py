@@ -78,7 +78,6 @@ COLUMNS: tuple[Column, ...] = (
     Column("LIMIT", "limit_bytes", lambda t: fmt_size(t.get("limit_bytes"))),
     Column("WAITING", "waiting", lambda t: str(t.get("waiting", "-"))),
     Column("IDLE PAGES", "reserve_pages", lambda t: str(t.get("reserve_pages", "-"))),
-    Column("PREEMPTED", "requests_preempted", lambda t: str(t.get("requests_preempted", "-"))),
     Column("STATE", "limit_state", _state, justify="left"),
 )
 # Left out first when the terminal is too narrow (the rest: PID, COMMITTED, LIMIT, WAITING).

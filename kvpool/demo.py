@@ -57,7 +57,8 @@ import torch
 from ._demo_clock import RealClock
 from ._demo_model import (BLOCK_BYTES, HEAD_DIM, HEADS, LAYERS, ContiguousKV, PagedKV, TinyDecoder,
                           greedy)
-from ._demo_sched import Running, Scheduler
+from ._demo_sched import Running as RunningRequest
+from ._demo_sched import Scheduler
 from ._demo_traces import BLOCK_TOKENS, SHAPES, Request, make_trace, max_request_blocks
 from .geometry import Geometry
 from .manager import KVCacheManager
@@ -89,10 +90,11 @@ class Engine(Scheduler):
         blocks = torch.from_numpy(ids)
         self.running.append((r, ids, blocks, PagedKV(self.caches, blocks), None))
 
-    def _running_requests(self) -> list[Running]:
+    def _running_requests(self) -> list[RunningRequest]:
         # logits None: admitted, not prefilled yet (nothing computed to lose).
-        return [Running(r, r.new_tokens - len(r.output), 0 if logits is None else len(r.prompt) + len(r.output))
-                for r, _, _, _, logits in self.running]
+        return [RunningRequest(r, ids, r.new_tokens - len(r.output),
+                        0 if logits is None else len(r.prompt) + len(r.output))
+                for r, ids, _, _, logits in self.running]
 
     def _take(self, r: Request) -> Any:
         i = next(i for i, run in enumerate(self.running) if run[0] is r)

@@ -130,6 +130,7 @@ Status Space::alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t*
                     budget_.refresh(true);
                     continue;
                 }
+                last_need_pages_ = want;
                 note_want_locked(want - static_cast<int64_t>(plan.size()));
                 return shortage_locked(n, "", available);
             }
@@ -142,6 +143,7 @@ Status Space::alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t*
     {
         std::string why;
         if (!budget_.claim(static_cast<int64_t>(plan.size()), &why, promised)) {
+            last_need_pages_ = static_cast<int64_t>(plan.size());
             note_want_locked(static_cast<int64_t>(plan.size()));
             return shortage_locked(n, why, available);
         }

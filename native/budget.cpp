@@ -88,11 +88,15 @@ int64_t judge_preempt_share(const LedgerSnapshot& s, int slot) {
         int64_t can_preempt;  // what it borrows beyond what it frees by completion
     };
     std::vector<Lender> lenders;
-    int64_t need = 0, freeing = 0;
+    int64_t need = 0, urgent = 0, freeing = 0;
     for (const auto& r : s.rows) {
         const int64_t g = effective_guarantee(s, r);
         if (r.want > 0 && r.claimed < g) {
-            need += std::min(r.want, g - r.claimed);
+            const int64_t n = std::min(r.want, g - r.claimed);
+            need += n;
+            // What it asked borrowers to keep free (its headroom) it wanted
+            // at once: no completion, however near, covers that in time.
+            urgent += std::min(n, r.keep_free);
         } else if (r.claimed > g) {
             const int64_t borrowed = r.claimed - g;
             const int64_t covered = std::min(r.freeing, borrowed);
@@ -102,7 +106,7 @@ int64_t judge_preempt_share(const LedgerSnapshot& s, int slot) {
     }
     // A waiter's want is what its last alloc lacked beyond the room it had
     // (Space::alloc): the pool's free bytes are already counted in it.
-    int64_t deficit = need - freeing;
+    int64_t deficit = std::max(urgent, need - freeing);
     if (deficit <= 0) return 0;
     std::sort(lenders.begin(), lenders.end(), [](const Lender& a, const Lender& b) {
         return a.borrowed != b.borrowed ? a.borrowed > b.borrowed : a.slot < b.slot;

@@ -38,7 +38,9 @@
 //      alloc lacked beyond the room it had, so the pool's free bytes are
 //      already counted in it), less the lenders' freeing (each counted up
 //      to what it borrows), is the deficit D that completions cannot cover
-//      in time. Only D is preempted: it is
+//      in time; except that what a waiter asked to be kept free (its
+//      keep_free, rule 5) it wanted at once, so D is at least that part of
+//      the need. Only D is preempted: it is
 //      split among the lenders, most borrowed first (slot order among
 //      equals), each taking at most what it borrows beyond its freeing, and
 //      a lender's share is its verdict preempt_bytes (0: reclaim by

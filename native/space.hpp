@@ -222,6 +222,12 @@ private:
     std::atomic<int32_t> waiting_{0};
     std::atomic<int64_t> last_alloc_commits_{0}, last_free_releases_{0};
     int64_t last_want_pages_ = 0;  // pages the last shortage lacked (published while requests wait)
+    // Pages the last shortage needed in all (room it had included): while
+    // requests wait, available() republishes the want as this less the room
+    // there is now, so memory freed since lowers what lenders are asked
+    // (budget.hpp, rule 6) without waiting for the next alloc attempt.
+    int64_t last_need_pages_ = 0;
+    void republish_want_locked();
     uint64_t fork_epoch_ = 0;
     uint32_t watch_from_ = 0;  // pool generation the watcher starts from
 };
