@@ -265,24 +265,40 @@ class Scheduler:
         return sum(1 for p in finishing if p not in held) * self.page_bytes
 
     def _victims(self, running: list[Running], need_bytes: int) -> list[Running]:
-        """The cheapest requests to recompute whose removal empties pages worth ``need_bytes``.
+        """The cheapest requests to recompute whose removal frees pages worth ``need_bytes``.
 
-        Never one that finishes within the bound (it frees its memory by
-        completion); fewest computed tokens first, a request already
-        preempted once last (it was just granted back: no ping-pong), the
-        most recently admitted first among equals. A page empties once no
-        request that keeps running holds a block on it.
+        First those that do not finish within the bound, fewest computed
+        tokens first, a request already preempted once last (it was just
+        granted back: no ping-pong), the most recently admitted first among
+        equals: removing them lets a page go (now, or with the completions
+        the verdict already counts) once no request that keeps running holds
+        a block on it. Only if that is not enough (the urgent part of a
+        verdict, a waiter's headroom, is more than what keeps running holds)
+        those finishing within the bound, latest first.
         """
         held, _, staying = self._holders(running)
+        finishing = sorted((v for v in running if v.steps_left <= RECLAIM_STEPS), key=lambda v: -v.steps_left)
+        closing: dict[int, int] = {}  # per page, finishing requests holding blocks on it
+        for v in finishing:
+            for p in self._pages(v).tolist():
+                closing[p] = closing.get(p, 0) + 1
         out: list[Running] = []
         gained = 0
         for v in sorted(staying, key=lambda v: (v.request.preemptions > 0, v.computed, -v.request.admitted)):
             if gained >= need_bytes:
-                break
+                return out
             out.append(v)
             for p in self._pages(v).tolist():
                 held[p] -= 1
                 if held[p] == 0:
+                    gained += self.page_bytes
+        for v in finishing:
+            if gained >= need_bytes:
+                break
+            out.append(v)
+            for p in self._pages(v).tolist():
+                closing[p] -= 1
+                if closing[p] == 0 and not held.get(p, 0):
                     gained += self.page_bytes
         return out
 

@@ -78,44 +78,50 @@ Share judge_share(const LedgerSnapshot& s, int slot) {
 }
 
 // Rule 6 (budget.hpp), the one place it is written: of the starving
-// waiters' need, what the lenders' completions within the bound do not
-// cover, split among the lenders most borrowed
-// first; returns `slot`'s share (0: reclaim by completion only).
+// waiters' need, the urgent part (within their headroom) and what the
+// lenders' completions within the bound do not cover of the rest, split
+// among the lenders most borrowed first; returns `slot`'s share (0:
+// reclaim by completion only).
 int64_t judge_preempt_share(const LedgerSnapshot& s, int slot) {
     struct Lender {
         int64_t borrowed;
         int slot;
-        int64_t can_preempt;  // what it borrows beyond what it frees by completion
+        int64_t covered;  // of what it borrows, what its completions within the bound free
     };
     std::vector<Lender> lenders;
     int64_t need = 0, urgent = 0, freeing = 0;
     for (const auto& r : s.rows) {
         const int64_t g = effective_guarantee(s, r);
         if (r.want > 0 && r.claimed < g) {
+            // A want is what the waiter's last alloc lacked beyond the room
+            // it had (Space::alloc): the pool's free bytes are counted in it.
             const int64_t n = std::min(r.want, g - r.claimed);
             need += n;
-            // What it asked borrowers to keep free (its headroom) it wanted
-            // at once: no completion, however near, covers that in time.
-            urgent += std::min(n, r.keep_free);
+            // Up to its headroom a tenant wants memory at once (rule 5: an
+            // idle engine's next request): no completion covers it in time.
+            urgent += std::min(n, std::max<int64_t>(0, r.headroom - r.claimed));
         } else if (r.claimed > g) {
             const int64_t borrowed = r.claimed - g;
             const int64_t covered = std::min(r.freeing, borrowed);
             freeing += covered;
-            lenders.push_back({borrowed, r.slot, borrowed - covered});
+            lenders.push_back({borrowed, r.slot, covered});
         }
     }
-    // A waiter's want is what its last alloc lacked beyond the room it had
-    // (Space::alloc): the pool's free bytes are already counted in it.
-    int64_t deficit = std::max(urgent, need - freeing);
-    if (deficit <= 0) return 0;
+    // The urgent part from anything borrowed; the rest only as far as
+    // completions do not cover it, from what they do not free.
+    int64_t now = urgent;
+    int64_t later = std::max<int64_t>(0, need - urgent - freeing);
+    if (now + later <= 0) return 0;
     std::sort(lenders.begin(), lenders.end(), [](const Lender& a, const Lender& b) {
         return a.borrowed != b.borrowed ? a.borrowed > b.borrowed : a.slot < b.slot;
     });
     for (const auto& l : lenders) {
-        const int64_t take = std::min(l.can_preempt, deficit);
-        if (l.slot == slot) return take;
-        deficit -= take;
-        if (deficit <= 0) return 0;
+        const int64_t a = std::min(l.borrowed, now);
+        now -= a;
+        const int64_t b = std::min(std::max<int64_t>(0, l.borrowed - l.covered - a), later);
+        later -= b;
+        if (l.slot == slot) return a + b;
+        if (now + later <= 0) return 0;
     }
     return 0;
 }

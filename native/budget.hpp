@@ -32,22 +32,23 @@
 //      and admitting (rule 2): memory its running requests free goes to the
 //      waiter. Each tenant publishes `freeing`, the bytes its running
 //      requests will free within the reclaim bound (its engine knows how
-//      many decode steps each has left). On a snapshot, the starving
-//      waiters' need (sum of min(want, guarantee - claimed) over tenants
-//      waiting below their guarantee; a want is what the waiter's last
-//      alloc lacked beyond the room it had, so the pool's free bytes are
-//      already counted in it), less the lenders' freeing (each counted up
-//      to what it borrows), is the deficit D that completions cannot cover
-//      in time; except that what a waiter asked to be kept free (its
-//      keep_free, rule 5) it wanted at once, so D is at least that part of
-//      the need. Only D is preempted: it is
-//      split among the lenders, most borrowed first (slot order among
-//      equals), each taking at most what it borrows beyond its freeing, and
-//      a lender's share is its verdict preempt_bytes (0: reclaim by
-//      completion only). Every lender computes the same split from the same
-//      rows, so no lender preempts what another was asked for. A waiter's
-//      want is republished at its next alloc attempt (in one process at
-//      once, KVCacheManager.poll), so memory freed lowers D then.
+//      many decode steps each has left and which pages then empty). On a
+//      snapshot, each tenant waiting below its guarantee needs
+//      n = min(want, guarantee - claimed) (a want is what its last alloc
+//      lacked beyond the room it had, so free bytes are counted in it). Of
+//      n, the part within its headroom (headroom - claimed: an idle
+//      engine's next request, rule 5) is urgent: no completion covers it
+//      in time. The deficit is the urgent part plus what the lenders'
+//      freeing (each counted up to what it borrows) does not cover of the
+//      rest; only that is preempted, split among the lenders most borrowed
+//      first (slot order among equals): the urgent part from anything a
+//      lender borrows, the rest from what it borrows beyond its freeing.
+//      A lender's share is its verdict preempt_bytes (0: reclaim by
+//      completion only). Every lender computes the same split from the
+//      same rows, so no lender preempts what another was asked for. A
+//      waiter's want is republished against the room there is whenever its
+//      manager asks available() (Space::republish_want_locked), so memory
+//      freed lowers the deficit at once.
 // The verdicts are judged on a ledger snapshot at every claim; the space's
 // hot path reads the cached lending verdict, refreshed when the pool's
 // generation moves (every want appearing or going, every setting, join and
