@@ -265,41 +265,52 @@ class Scheduler:
         return sum(1 for p in finishing if p not in held) * self.page_bytes
 
     def _victims(self, running: list[Running], need_bytes: int) -> list[Running]:
-        """The cheapest requests to recompute whose removal frees pages worth ``need_bytes``.
+        """The requests whose removal frees pages worth ``need_bytes`` at the least recompute.
 
-        First those that do not finish within the bound, fewest computed
-        tokens first, a request already preempted once last (it was just
-        granted back: no ping-pong), the most recently admitted first among
-        equals: removing them lets a page go (now, or with the completions
-        the verdict already counts) once no request that keeps running holds
-        a block on it. Only if that is not enough (the urgent part of a
-        verdict, a waiter's headroom, is more than what keeps running holds)
-        those finishing within the bound, latest first.
+        A page goes back (now, or with the completions the verdict already
+        counts) once no request that keeps running holds a block on it, so
+        the choice is by page: again and again, the page whose remaining
+        holders cost least to recompute (fewest computed tokens; a request
+        already preempted once costs more than any other: it was just
+        granted back, no ping-pong), until the pages freed cover the verdict.
+        Requests that finish within the bound are not taken while others
+        can cover it; only the urgent part of a verdict (an idle waiter's
+        headroom) may need them, then those finishing latest.
         """
-        held, _, staying = self._holders(running)
-        finishing = sorted((v for v in running if v.steps_left <= RECLAIM_STEPS), key=lambda v: -v.steps_left)
-        closing: dict[int, int] = {}  # per page, finishing requests holding blocks on it
-        for v in finishing:
-            for p in self._pages(v).tolist():
-                closing[p] = closing.get(p, 0) + 1
         out: list[Running] = []
         gained = 0
-        for v in sorted(staying, key=lambda v: (v.request.preemptions > 0, v.computed, -v.request.admitted)):
-            if gained >= need_bytes:
-                return out
-            out.append(v)
-            for p in self._pages(v).tolist():
-                held[p] -= 1
-                if held[p] == 0:
-                    gained += self.page_bytes
-        for v in finishing:
+        finishing = [v for v in running if v.steps_left <= RECLAIM_STEPS]
+        for pool in ([v for v in running if v.steps_left > RECLAIM_STEPS], finishing):
             if gained >= need_bytes:
                 break
-            out.append(v)
-            for p in self._pages(v).tolist():
-                closing[p] -= 1
-                if closing[p] == 0 and not held.get(p, 0):
-                    gained += self.page_bytes
+            # Pages held by what stays once `pool` is gone count as held.
+            stays = [v for v in running if v not in pool and v not in out]
+            blocked = {p for v in stays for p in self._pages(v).tolist()}
+            holders: dict[int, list[Running]] = {}
+            for v in pool:
+                for p in self._pages(v).tolist():
+                    holders.setdefault(p, []).append(v)
+            taken: set[int] = set()
+
+            def cost(p: int) -> tuple[int, int]:
+                left = [v for v in holders[p] if id(v) not in taken]
+                return (sum(v.computed + (1 << 40) * (v.request.preemptions > 0) for v in left), len(left))
+
+            open_pages = sorted(p for p in holders if p not in blocked)
+            while gained < need_bytes and open_pages:
+                best = min(open_pages, key=lambda p: (cost(p), -p))
+                for v in holders[best]:
+                    if id(v) not in taken:
+                        taken.add(id(v))
+                        out.append(v)
+                # Every page whose holders are all taken now goes back.
+                still = []
+                for p in open_pages:
+                    if all(id(v) in taken for v in holders[p]):
+                        gained += self.page_bytes
+                    else:
+                        still.append(p)
+                open_pages = still
         return out
 
     def poll_peers(self) -> None:

@@ -97,9 +97,11 @@ int64_t judge_preempt_share(const LedgerSnapshot& s, int slot) {
             // it had (Space::alloc): the pool's free bytes are counted in it.
             const int64_t n = std::min(r.want, g - r.claimed);
             need += n;
-            // Up to its headroom a tenant wants memory at once (rule 5: an
-            // idle engine's next request): no completion covers it in time.
-            urgent += std::min(n, std::max<int64_t>(0, r.headroom - r.claimed));
+            // An idle tenant (nothing claimed: its request's wait is all of
+            // its time to first token) wants up to its headroom at once
+            // (rule 5): no completion covers that in time. A busy one's
+            // next request can wait for completions within the bound.
+            if (r.claimed == 0) urgent += std::min(n, r.headroom);
         } else if (r.claimed > g) {
             const int64_t borrowed = r.claimed - g;
             const int64_t covered = std::min(r.freeing, borrowed);
