@@ -19,7 +19,8 @@ import pytest
 
 from kvpool import Geometry, KVCacheManager, Pool
 from kvpool._demo_clock import RealClock
-from kvpool._demo_sched import RECLAIM_STEPS, Running, Scheduler
+from kvpool import _demo_sched
+from kvpool._demo_sched import Running, Scheduler
 from kvpool._demo_traces import Request
 
 PAGE = 4096  # one region: a page commit is one page, 8 blocks of 512 bytes
@@ -176,14 +177,17 @@ def _saturated(pool_name: str, steps_left: list[int]) -> tuple[KVCacheManager, K
     return a, b, lender
 
 
-def test_a_waiter_below_its_guarantee_is_granted_from_completions_with_no_preemption(pool_name: str) -> None:
+def test_a_waiter_below_its_guarantee_is_granted_from_completions_with_no_preemption(
+        pool_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_demo_sched, "RECLAIM_STEPS", 16)
+
     async def main() -> None:
         # Two requests finish within the bound: they cover the waiter's 2 missing pages.
-        a, b, lender = _saturated(pool_name, [90, 80, 70, 60, 50, 1, RECLAIM_STEPS])
+        a, b, lender = _saturated(pool_name, [90, 80, 70, 60, 50, 1, 16])
         waiter = await _wait_queued(b, b.alloc(24))
         lender.act_on_lending()
         assert lender.preemptions == 0 and a.budget().preempt_bytes == 0
-        for r, *_ in [run for run in lender.running if run[2] <= RECLAIM_STEPS]:
+        for r, *_ in [run for run in lender.running if run[2] <= _demo_sched.RECLAIM_STEPS]:
             lender.act_on_lending()  # a step: still nothing to preempt
             assert lender.preemptions == 0
             lender.finish(r)
@@ -198,13 +202,15 @@ def test_a_waiter_below_its_guarantee_is_granted_from_completions_with_no_preemp
 
 
 def test_when_completions_come_too_late_the_lender_preempts_exactly_the_cheapest_requests(
-        pool_name: str) -> None:
+        pool_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_demo_sched, "RECLAIM_STEPS", 16)
+
     async def main() -> None:
         # One request finishes within the bound (1 page); the second page
         # must be preempted: one request, the one with the fewest computed
         # tokens among those that do not finish within the bound.
         a, b, lender = _saturated(pool_name, [90, 30, 70, 60, 50, 1, 95])
-        computed = {r.rid: c for r, _, left, c in lender.running if left > RECLAIM_STEPS}
+        computed = {r.rid: c for r, _, left, c in lender.running if left > _demo_sched.RECLAIM_STEPS}
         waiter = await _wait_queued(b, b.alloc(24))
         lender.act_on_lending()
         assert lender.preemptions == 1 and lender.preemptions_asked == 1
@@ -213,7 +219,7 @@ def test_when_completions_come_too_late_the_lender_preempts_exactly_the_cheapest
         assert a.budget().preempt_bytes == 0  # the deficit is covered: the finishing request does the rest
         lender.act_on_lending()
         assert lender.preemptions == 1
-        (finishing,) = [r for r, _, left, _ in lender.running if left <= RECLAIM_STEPS]
+        (finishing,) = [r for r, _, left, _ in lender.running if left <= _demo_sched.RECLAIM_STEPS]
         lender.finish(finishing)
         assert len(await waiter) == 24
         got = a.budget()
