@@ -417,7 +417,7 @@ class KVSpace:
         n_req = V.integer("requests", requests, lo=1)
         n_tok = V.integer("tokens", tokens)
         r = self._space.free_preempted(V.block_ids(blocks), n_req, n_tok)
-        if r is not None:
+        if isinstance(r, _core.native.Failure):  # None: freed
             _core.raise_failure(r, ids=True)
 
     def max_blocks(self) -> int:

@@ -39,7 +39,7 @@ def _manager(pool: str, name: str) -> KVCacheManager:
 
 
 async def _wait_queued(m: KVCacheManager, alloc: Any) -> asyncio.Task[Any]:
-    task = asyncio.ensure_future(alloc)
+    task: asyncio.Task[Any] = asyncio.ensure_future(alloc)
     while m.waiting == 0:
         await asyncio.sleep(0)
     return task
