@@ -214,9 +214,13 @@ class Scheduler:
     # --------------------------------------------------------- preemption
     def act_on_lending(self) -> None:
         """Once per step: publish what completes within the bound; preempt only what the budget asks."""
-        running = self._running_requests()
-        self.m.publish_freeing(self._freeing(running))
         b = self.m.budget()
+        # Only a borrower's freeing is read (by the judges of rule 6): the
+        # others publish 0 and skip the page walk.
+        running = self._running_requests() if b.borrowed_bytes > 0 else []
+        self.m.publish_freeing(self._freeing(running) if running else 0)
+        if running:
+            b = self.m.budget()
         while b.lending and b.preempt_bytes > 0:
             victims = self._victims(running, b.preempt_bytes)
             if not victims:
