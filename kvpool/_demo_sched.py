@@ -59,13 +59,13 @@ from .manager import KVCacheManager
 
 # The reclaim bound: a running request that finishes within this many decode
 # steps frees its memory by completion, and a lender is asked to preempt
-# only what such completions do not cover (or an idle waiter's headroom,
+# only what such completions do not cover (or a light waiter's headroom,
 # which no completion covers in time). Measured on the virtual clock
 # (scripts/demo_virtual_sweep.py, bursts 10/16/24, 3 shapes x 20 seeds,
 # issue 31): 16 steps left recompute at 12-20% of the tokens served in
 # bursty runs at 24 a burst, 64 up to 5.8%, 128 and 256 up to 3.5% with the
 # same TTFT and waiting; the demo generates 96-192 tokens, so at 256 every
-# running request counts as finishing in time and only idle waiters'
+# running request counts as finishing in time and only light waiters'
 # headroom is ever preempted.
 RECLAIM_STEPS = 256
 

@@ -97,11 +97,12 @@ int64_t judge_preempt_share(const LedgerSnapshot& s, int slot) {
             // it had (Space::alloc): the pool's free bytes are counted in it.
             const int64_t n = std::min(r.want, g - r.claimed);
             need += n;
-            // An idle tenant (nothing claimed: its request's wait is all of
-            // its time to first token) wants up to its headroom at once
-            // (rule 5): no completion covers that in time. A busy one's
-            // next request can wait for completions within the bound.
-            if (r.claimed == 0) urgent += std::min(n, r.headroom);
+            // A light tenant (it holds less than its headroom, one request
+            // of its largest size: its request's wait is most of its time
+            // to first token) wants up to its headroom at once (rule 5): no
+            // completion covers that in time. A busier one's next request
+            // can wait for completions within the bound.
+            if (r.claimed < r.headroom) urgent += std::min(n, r.headroom);
         } else if (r.claimed > g) {
             const int64_t borrowed = r.claimed - g;
             const int64_t covered = std::min(r.freeing, borrowed);

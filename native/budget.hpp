@@ -35,12 +35,12 @@
 //      many decode steps each has left and which pages then empty). On a
 //      snapshot, each tenant waiting below its guarantee needs
 //      n = min(want, guarantee - claimed) (a want is what its last alloc
-//      lacked beyond the room it had, so free bytes are counted in it). Of
-//      n, the part within its headroom (headroom - claimed: an idle
-//      engine's next request, rule 5) is urgent: no completion covers it
-//      in time. The deficit is the urgent part plus what the lenders'
-//      freeing (each counted up to what it borrows) does not cover of the
-//      rest; only that is preempted, split among the lenders most borrowed
+//      lacked beyond the room it had, so free bytes are counted in it). If
+//      it holds less than its headroom (a light engine: its next request's
+//      wait is most of its time to first token, rule 5), up to its headroom
+//      of n is urgent: no completion covers it in time. The deficit is the
+//      urgent part plus what the lenders' freeing (each counted up to what
+//      it borrows) does not cover of the rest; only that is preempted, split among the lenders most borrowed
 //      first (slot order among equals): the urgent part from anything a
 //      lender borrows, the rest from what it borrows beyond its freeing.
 //      A lender's share is its verdict preempt_bytes (0: reclaim by
