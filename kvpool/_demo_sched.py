@@ -11,28 +11,36 @@ order, see exactly one waiting request per engine, as a server's scheduler
 does. Time waiting for memory is counted from when a request joined the
 queue to its grant, every time it joins (arrival, and each preemption).
 
-Preemption (ARCHITECTURE.md, fair share, rule 5). While this tenant *lends* (it
-holds more than its guarantee while a tenant below its own waits) the pool
-refuses its allocs and gives its emptied pages back at once, but memory held
-by running requests stays held until they finish: a lender whose requests
-generate for a long time would starve its neighbours anyway. So, as vLLM does
-when its cache is full, once per engine step the engine asks the manager
-whether it lends and, while it does, preempts its most recently started
-request: frees its blocks and puts it back at the head of its queue
-(``recompute``: when it is admitted again, its prompt and the tokens it has
-generated so far are prefilled anew; decoding is greedy, so the tokens that
-follow are the same). A preempted request keeps the tokens it already emitted
-and its first-token time.
+Reclaim by completion first (ARCHITECTURE.md, fair share; issue 31). While this
+tenant *lends* (it holds more than its guarantee while a tenant below its
+own waits) the pool refuses its allocs, so it admits nothing and does not
+grow, and gives its emptied pages back at once: memory its running requests
+free as they finish goes to the waiter. Each step the engine publishes
+``freeing``, the bytes of its running requests that finish within
+:data:`RECLAIM_STEPS` decode steps, and reads its budget's verdict: the
+native budget (the one judge) counts the pool's free memory and every
+lender's freeing against the starving waiters' need and asks a lender to
+preempt (``preempt_bytes`` > 0) only the deficit completions cannot cover,
+split among the lenders. The engine then preempts exactly enough blocks for
+it, as vLLM does when its cache is full: the victims whose recompute is
+cheapest (fewest computed tokens: an admitted request not yet prefilled
+costs nothing), never one that finishes within the bound, and a request
+already preempted once only when nothing else covers the verdict (no
+ping-pong: memory just granted back is not taken again first). A victim's
+blocks are freed as a preemption (counted in the tenant's ledger slot) and
+it goes back to the head of the queue (``recompute``: when admitted again,
+its prompt and the tokens it generated so far are prefilled anew; decoding
+is greedy, so the tokens that follow are the same). A preempted request
+keeps the tokens it already emitted and its first-token time.
 
-When to stop preempting. ``lending`` turns false only once the waiting
-tenant's grant has been taken (its published want drops to 0), not when
-enough memory is free for it. Engines of one process hand freed capacity to
-their peers at once (``KVCacheManager.poll``), so the verdict is current
-after each preemption and an engine preempts exactly as many requests as the
-waiter needs. Across processes the waiter takes its grant only when its own
-event loop wakes, later: there an engine preempts one request per step and
-looks again at the next, instead of emptying itself down to its guarantee
-on a stale verdict.
+When to stop preempting. The verdict counts free memory, so it drops as
+soon as the freed blocks' pages are back in the pool, whether or not the
+waiter has taken them yet. Engines of one process hand freed capacity to
+their peers at once (``KVCacheManager.poll``), so within one step an engine
+looks again after each preemption (pages shared with running requests may
+free fewer bytes than the blocks). Across processes a lender's emptied pages
+may still be on their way back (its reserve thread releases them), so there
+an engine acts on one verdict per step and looks again at the next.
 """
 
 from __future__ import annotations
@@ -42,18 +50,45 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ._demo_clock import RealClock
 from ._demo_traces import Request
+from .errors import PoolClosed
 from .manager import KVCacheManager
+
+# The reclaim bound: a running request that finishes within this many decode
+# steps frees its memory by completion, and a lender is asked to preempt
+# only what such completions do not cover (or a light waiter's headroom,
+# which no completion covers in time). Measured on the virtual clock
+# (scripts/demo_virtual_sweep.py, bursts 10/16/24, 3 shapes x 20 seeds,
+# issue 31): 16 steps left recompute at 12-20% of the tokens served in
+# bursty runs at 24 a burst, 64 up to 5.8%, 128 and 256 up to 3.5% with the
+# same TTFT and waiting; the demo generates 96-192 tokens, so at 256 every
+# running request counts as finishing in time and only light waiters'
+# headroom is ever preempted.
+RECLAIM_STEPS = 256
+
+
+class Running:
+    """A running request as the reclaim decision sees it."""
+
+    __slots__ = ("request", "ids", "steps_left", "computed")
+
+    def __init__(self, request: Request, ids: Any, steps_left: int, computed: int) -> None:
+        self.request = request
+        self.ids = ids  # its block ids: the pages it keeps from emptying
+        self.steps_left = steps_left  # decode steps until it finishes (and frees its blocks)
+        self.computed = computed      # tokens whose K/V a preemption destroys (what recompute costs)
 
 
 class Scheduler:
     """One engine's admission queue and its reaction to lending.
 
-    Subclasses keep the running requests and say how to take the newest one
-    out (:meth:`_take_newest`) and how a granted request joins
-    (:meth:`_started`); :meth:`serve` steps the engine and calls
-    :meth:`act_on_lending` at the start of every step.
+    Subclasses keep the running requests, list them for the reclaim
+    decision (:meth:`_running_requests`), take one out (:meth:`_take`) and
+    say how a granted request joins (:meth:`_started`); :meth:`serve` steps
+    the engine and calls :meth:`act_on_lending` at the start of every step.
     """
 
     def __init__(self, index: int, manager: KVCacheManager, clock: RealClock) -> None:
@@ -68,7 +103,12 @@ class Scheduler:
         self._rewait = 0.0  # the part spent waiting again after a preemption
         self.tokens = 0
         self.preemptions = 0
-        self.recomputed_tokens = 0  # prompt and generated tokens prefilled again after a preemption
+        self.recomputed_tokens = 0  # computed tokens whose K/V a preemption destroyed (prefilled again)
+        self.preemptions_asked = 0  # verdicts with preempt_bytes > 0 acted on
+        self.reclaimed: dict[str, int] = {}  # the budget's counters at the end of the run
+        g = manager.space.geometry
+        self.page_bytes = g.page_commit_bytes  # what one page costs the pool
+        self._page_first = np.asarray(g._ranges[0], dtype=np.int64)  # first block of each page
         self.peak_committed = 0
         self.wake = asyncio.Event()  # something to run
         self._queued = asyncio.Event()  # something to admit
@@ -95,6 +135,9 @@ class Scheduler:
                 "requests": len(self.finished), "tokens": self.tokens, "wait_s": self.wait_s,
                 "preempted_wait_s": self.preempted_wait_s, "preemptions": self.preemptions,
                 "recomputed_tokens": self.recomputed_tokens, "peak_committed_bytes": self.peak_committed,
+                "preemptions_asked": self.preemptions_asked,
+                "reclaimed_by_completion_bytes": self.reclaimed.get("completion", 0),
+                "reclaimed_by_preemption_bytes": self.reclaimed.get("preemption", 0),
                 "outputs": {r.rid: r.output for r in self.finished}}
 
     # ---------------------------------------------------------- admission
@@ -114,6 +157,13 @@ class Scheduler:
             for t in (serve, *tasks):
                 t.cancel()
             await asyncio.gather(serve, *tasks, return_exceptions=True)
+            try:
+                b = self.m.budget()  # the tenant's own counters (its ledger slot)
+            except PoolClosed:
+                pass
+            else:
+                self.reclaimed = {"completion": b.reclaimed_by_completion_bytes,
+                                  "preemption": b.reclaimed_by_preemption_bytes}
 
     async def _arrive(self, trace: list[Request], t0: float) -> None:
         for r in trace:
@@ -163,24 +213,116 @@ class Scheduler:
 
     # --------------------------------------------------------- preemption
     def act_on_lending(self) -> None:
-        """Once per step: while this tenant lends, preempt the newest running request."""
-        while self.m.lending:
-            taken = self._take_newest()
-            if taken is None:
+        """Once per step: publish what completes within the bound; preempt only what the budget asks."""
+        b = self.m.budget()
+        # Only a borrower's freeing is read (by the judges of rule 6): the
+        # others publish 0 and skip the page walk.
+        running = self._running_requests() if b.borrowed_bytes > 0 else []
+        self.m.publish_freeing(self._freeing(running) if running else 0)
+        if running:
+            b = self.m.budget()
+        while b.lending and b.preempt_bytes > 0:
+            victims = self._victims(running, b.preempt_bytes)
+            if not victims:
                 return
-            r, ids = taken
-            self.m.free(ids)
-            self.preemptions += 1
-            r.preemptions += 1
-            r.queued = self.clock.now()
-            self.pending.appendleft(r)  # ahead of every request not yet admitted, as vLLM does
-            if self._alloc is not None:  # the admitter waits for a later request: ask for r first
+            ids = np.concatenate([np.asarray(self._take(v.request), dtype=np.int64) for v in victims])
+            tokens = sum(v.computed for v in victims)
+            self.m.free_preempted(ids, requests=len(victims), tokens=tokens)
+            self.preemptions_asked += 1
+            self.preemptions += len(victims)
+            self.recomputed_tokens += tokens
+            now = self.clock.now()
+            # Ahead of every request not yet admitted, as vLLM does; the
+            # earliest admitted of them first.
+            for v in sorted(victims, key=lambda v: v.request.admitted, reverse=True):
+                v.request.preemptions += 1
+                v.request.queued = now
+                self.pending.appendleft(v.request)
+            if self._alloc is not None:  # the admitter waits for a later request: ask for the head first
                 self._head_moved = True
                 self._alloc.cancel()
             self._queued.set()
             if self.peers is None:
-                return  # across processes: one a step (see the module docstring)
+                return  # across processes: one verdict a step (see the module docstring)
             self.poll_peers()
+            running = self._running_requests()
+            self.m.publish_freeing(self._freeing(running))
+            b = self.m.budget()
+
+    def _pages(self, v: Running) -> np.ndarray:
+        """The pages ``v``'s blocks lie on."""
+        return np.unique(np.searchsorted(self._page_first, np.asarray(v.ids, dtype=np.int64), side="right") - 1)
+
+    def _holders(self, running: list[Running]) -> tuple[dict[int, int], set[int], list[Running]]:
+        """Per page, how many running requests that do not finish within the bound hold
+        blocks on it; the pages finishing requests hold; the requests that do not finish."""
+        held: dict[int, int] = {}
+        finishing: set[int] = set()
+        staying = []
+        for v in running:
+            pages = self._pages(v).tolist()
+            if v.steps_left <= RECLAIM_STEPS:
+                finishing.update(pages)
+                continue
+            staying.append(v)
+            for p in pages:
+                held[p] = held.get(p, 0) + 1
+        return held, finishing, staying
+
+    def _freeing(self, running: list[Running]) -> int:
+        """Bytes that completions within the bound give back: the pages only finishing requests hold
+        (a page shared with a request that keeps running stays committed)."""
+        held, finishing, _ = self._holders(running)
+        return sum(1 for p in finishing if p not in held) * self.page_bytes
+
+    def _victims(self, running: list[Running], need_bytes: int) -> list[Running]:
+        """The requests whose removal frees pages worth ``need_bytes`` at the least recompute.
+
+        A page goes back (now, or with the completions the verdict already
+        counts) once no request that keeps running holds a block on it, so
+        the choice is by page: again and again, the page whose remaining
+        holders cost least to recompute (fewest computed tokens; a request
+        already preempted once costs more than any other: it was just
+        granted back, no ping-pong), until the pages freed cover the verdict.
+        Requests that finish within the bound are not taken while others
+        can cover it; only the urgent part of a verdict (an idle waiter's
+        headroom) may need them, then those finishing latest.
+        """
+        out: list[Running] = []
+        gained = 0
+        finishing = [v for v in running if v.steps_left <= RECLAIM_STEPS]
+        for pool in ([v for v in running if v.steps_left > RECLAIM_STEPS], finishing):
+            if gained >= need_bytes:
+                break
+            # Pages held by what stays once `pool` is gone count as held.
+            stays = [v for v in running if v not in pool and v not in out]
+            blocked = {p for v in stays for p in self._pages(v).tolist()}
+            holders: dict[int, list[Running]] = {}
+            for v in pool:
+                for p in self._pages(v).tolist():
+                    holders.setdefault(p, []).append(v)
+            taken: set[int] = set()
+
+            def cost(p: int) -> tuple[int, int]:
+                left = [v for v in holders[p] if id(v) not in taken]
+                return (sum(v.computed + (1 << 40) * (v.request.preemptions > 0) for v in left), len(left))
+
+            open_pages = sorted(p for p in holders if p not in blocked)
+            while gained < need_bytes and open_pages:
+                best = min(open_pages, key=lambda p: (cost(p), -p))
+                for v in holders[best]:
+                    if id(v) not in taken:
+                        taken.add(id(v))
+                        out.append(v)
+                # Every page whose holders are all taken now goes back.
+                still = []
+                for p in open_pages:
+                    if all(id(v) in taken for v in holders[p]):
+                        gained += self.page_bytes
+                    else:
+                        still.append(p)
+                open_pages = still
+        return out
 
     def poll_peers(self) -> None:
         # Synchronously, in a fixed order: what the native watcher's eventfd
@@ -188,8 +330,12 @@ class Scheduler:
         for peer in self.peers or ():
             peer.m.poll()
 
-    def _take_newest(self) -> tuple[Request, Any] | None:
-        """Remove the most recently started request from the running ones: (request, its block ids)."""
+    def _running_requests(self) -> list[Running]:
+        """Every running request (admitted, prefilled or not) with its steps left and computed tokens."""
+        raise NotImplementedError
+
+    def _take(self, r: Request) -> Any:
+        """Remove ``r`` from the running requests; returns its block ids."""
         raise NotImplementedError
 
     async def serve(self, total: int) -> None:

@@ -74,7 +74,7 @@ from typing import Any
 import numpy as np
 
 from ._demo_clock import NanoClock, VirtualClockLoop
-from ._demo_sched import Scheduler
+from ._demo_sched import Running, Scheduler
 from ._demo_traces import BLOCK_TOKENS, Request, make_trace
 from .demo import COMMIT_BYTES_PER_BLOCK, headroom_bytes, summarize
 from .geometry import Geometry
@@ -148,15 +148,23 @@ class VirtualEngine(Scheduler):
         self.m.free(ids)  # own waiters first: the manager's in-process hand-off
         self.poll_peers()
 
-    def _take_newest(self) -> tuple[Request, Any] | None:
-        if self.incoming:  # admitted last, not prefilled yet
-            return self.incoming.pop()
-        if not self.batch:
-            return None
-        r, ids = self.batch.pop()
-        r.generated = r.new_tokens - int(self.left[-1])
-        self.context, self.left = self.context[:-1], self.left[:-1]
-        return r, ids
+    def _running_requests(self) -> list[Running]:
+        # Admitted, not prefilled yet: nothing computed, nothing to recompute.
+        out = [Running(r, ids, r.new_tokens - r.generated, 0) for r, ids in self.incoming]
+        out += [Running(r, ids, int(left), int(ctx))
+                for (r, ids), left, ctx in zip(self.batch, self.left, self.context)]
+        return out
+
+    def _take(self, r: Request) -> Any:
+        for i, (q, ids) in enumerate(self.incoming):
+            if q is r:
+                del self.incoming[i]
+                return ids
+        i = next(i for i, (q, _) in enumerate(self.batch) if q is r)
+        _, ids = self.batch.pop(i)
+        r.generated = r.new_tokens - int(self.left[i])
+        self.context, self.left = np.delete(self.context, i), np.delete(self.left, i)
+        return ids
 
     async def serve(self, total: int) -> None:
         while len(self.finished) < total:
@@ -172,9 +180,8 @@ class VirtualEngine(Scheduler):
         self.act_on_lending()
         new, self.incoming = self.incoming, []
         if new:
-            # A preempted request is prefilled again with what it generated.
-            redo = sum(r.prompt_len + r.generated for r, _ in new if r.preemptions)
-            self.recomputed_tokens += redo
+            # A preempted request is prefilled again with what it generated
+            # (counted as recomputed when it was preempted).
             await self.nano.sleep(self.steps.prefill(len(new), sum(r.prompt_len + r.generated for r, _ in new)))
             self.batch += new
             self.context = np.concatenate([self.context, [r.prompt_len + r.generated for r, _ in new]])
@@ -277,7 +284,9 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
         except asyncio.CancelledError:
             pass
         return summarize(mode, args, elapsed, timeline, [
-            eng.report() | {"peak_committed_bytes": eng.peak_committed * to_real}
+            eng.report() | {"peak_committed_bytes": eng.peak_committed * to_real,
+                            "reclaimed_by_completion_bytes": eng.reclaimed.get("completion", 0) * to_real,
+                            "reclaimed_by_preemption_bytes": eng.reclaimed.get("preemption", 0) * to_real}
             for eng in engines
         ])
     finally:

@@ -28,6 +28,7 @@ class _LimitsMixin:
     _log: Any  # a structlog bound logger (tracing.get_logger)
     _limit_state: LimitState
     _hot: Any  # the native hot path (kvpool._native.ManagerHotPath)
+    _preempt_bytes: int = 0  # the last preemption verdict traced
     _lending: bool
     _guarantee: int
 
@@ -112,6 +113,33 @@ class _LimitsMixin:
         self.space.set_headroom(headroom_bytes)
         self._log.info("budget.headroom", headroom_bytes=int(headroom_bytes))
 
+    def budget(self) -> BudgetStats:
+        """The tenant's budget (:meth:`kvpool.KVSpace.budget`), its verdicts traced as they change."""
+        if self._closed:
+            raise PoolClosed(f"manager {self.name!r} is closed")
+        b = self.space.budget()
+        self._refresh_budget(b)
+        return b
+
+    def publish_freeing(self, freeing_bytes: int) -> None:
+        """What this tenant's running requests free within the reclaim bound
+        (:meth:`kvpool.KVSpace.publish_freeing`); an engine calls it every step."""
+        if self._closed:
+            raise PoolClosed(f"manager {self.name!r} is closed")
+        self.space.publish_freeing(freeing_bytes)
+
+    def free_preempted(self, blocks: Any, *, requests: int, tokens: int) -> None:
+        """Free the blocks of ``requests`` preempted requests with ``tokens`` to recompute
+        (:meth:`kvpool.KVSpace.free_preempted`); one trace event per call."""
+        if self._closed:
+            raise PoolClosed(f"manager {self.name!r} is closed")
+        self.space.free_preempted(blocks, requests=requests, tokens=tokens)
+        self._log.info("budget.preempted", requests=int(requests), tokens=int(tokens))
+        self._after_free()
+
+    def _after_free(self) -> None:
+        raise NotImplementedError
+
     def _refresh_limit_state(self, s: SpaceStats | None = None, *, log: bool = True,
                              force_log: bool = False) -> LimitState:
         """Read the native verdict (from ``s``, a snapshot just taken, if given)."""
@@ -137,6 +165,10 @@ class _LimitsMixin:
         """Trace the budget's verdicts as they change (the native budget decides them)."""
         if b is None:
             b = self.space.budget()
+        if b.preempt_bytes != self._preempt_bytes:
+            self._preempt_bytes = b.preempt_bytes
+            if b.preempt_bytes:
+                self._log.info("budget.preempt", preempt_bytes=b.preempt_bytes, freeing_bytes=b.freeing_bytes)
         if b.lending != self._lending:
             self._lending = b.lending
             if b.lending:

@@ -67,6 +67,27 @@ class BudgetFigures:
     def keep_free_bytes(self) -> int: ...
 
     @property
+    def freeing_bytes(self) -> int: ...
+
+    @property
+    def preempt_bytes(self) -> int: ...
+
+    @property
+    def preemptions_asked(self) -> int: ...
+
+    @property
+    def requests_preempted(self) -> int: ...
+
+    @property
+    def tokens_recomputed(self) -> int: ...
+
+    @property
+    def reclaimed_by_completion_bytes(self) -> int: ...
+
+    @property
+    def reclaimed_by_preemption_bytes(self) -> int: ...
+
+    @property
     def pool_capacity(self) -> int: ...
 
 class SpaceStats:
@@ -218,6 +239,27 @@ class TenantRow:
 
     @property
     def shortages(self) -> int: ...
+
+    @property
+    def freeing(self) -> int: ...
+
+    @property
+    def preempt_bytes(self) -> int: ...
+
+    @property
+    def preempt_asked(self) -> int: ...
+
+    @property
+    def preempted(self) -> int: ...
+
+    @property
+    def recomputed_tokens(self) -> int: ...
+
+    @property
+    def reclaimed_completion(self) -> int: ...
+
+    @property
+    def reclaimed_preemption(self) -> int: ...
 
     @property
     def limit(self) -> int: ...
@@ -386,6 +428,16 @@ class Space:
     def set_headroom(self, headroom_bytes: int) -> tuple[int, str]:
         """
         Bytes of this tenant's unused guarantee borrowers must leave free: (code, message).
+        """
+
+    def publish_freeing(self, freeing_bytes: int) -> tuple[int, str]:
+        """
+        Bytes this tenant's running requests free within the reclaim bound (budget.hpp, rule 6): (code, message).
+        """
+
+    def free_preempted(self, ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], requests: int, tokens: int) -> object:
+        """
+        Free the blocks of `requests` preempted requests with `tokens` to recompute, counted as reclaimed by preemption (budget.hpp, rule 6): None, or a Failure (nothing freed).
         """
 
     @property

@@ -31,6 +31,19 @@ class BudgetStats:
     and its emptied pages go back, as a lender's, but its engine need not
     preempt. A private space (no pool) has no guarantee (0), never lends
     and keeps nothing free.
+
+    Reclaim by completion first (issue 31): ``freeing_bytes`` is what the
+    tenant's engine published its running requests will free within the
+    reclaim bound; while lending, ``preempt_bytes`` is the budget's verdict:
+    the part of the starving waiters' need that the pool's free memory and
+    every lender's completions cannot cover, this lender's share of it
+    (0: it gives back by completion only, and preempts nothing). The
+    counters are the tenant's own, since it joined: ``preemptions_asked``
+    (verdicts with ``preempt_bytes > 0`` its engine acted on),
+    ``requests_preempted``, ``tokens_recomputed`` (their prompt and
+    generated tokens, prefilled again), and the block bytes it gave back
+    while lending, ``reclaimed_by_completion_bytes`` (requests that
+    finished) and ``reclaimed_by_preemption_bytes``.
     """
 
     pooled: bool
@@ -47,6 +60,13 @@ class BudgetStats:
     headroom_bytes: int
     keep_free_bytes: int
     pool_capacity: int | None
+    freeing_bytes: int = 0
+    preempt_bytes: int = 0
+    preemptions_asked: int = 0
+    requests_preempted: int = 0
+    tokens_recomputed: int = 0
+    reclaimed_by_completion_bytes: int = 0
+    reclaimed_by_preemption_bytes: int = 0
 
     @classmethod
     def _from_native(cls, b: Any) -> BudgetStats:
@@ -58,6 +78,11 @@ class BudgetStats:
             borrowed_bytes=int(b.borrowed_bytes), want_bytes=int(b.want_bytes), lending=bool(b.lending), restoring=bool(b.restoring),
             headroom_bytes=int(b.headroom_bytes), keep_free_bytes=int(b.keep_free_bytes),
             pool_capacity=None if b.pool_capacity < 0 else int(b.pool_capacity),
+            freeing_bytes=int(b.freeing_bytes), preempt_bytes=int(b.preempt_bytes),
+            preemptions_asked=int(b.preemptions_asked), requests_preempted=int(b.requests_preempted),
+            tokens_recomputed=int(b.tokens_recomputed),
+            reclaimed_by_completion_bytes=int(b.reclaimed_by_completion_bytes),
+            reclaimed_by_preemption_bytes=int(b.reclaimed_by_preemption_bytes),
         )
 
 

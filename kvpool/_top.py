@@ -54,6 +54,8 @@ def _state(t: dict[str, Any]) -> Text:
     words = []
     if t.get("lending"):
         words.append("lending")  # gives memory back: a tenant below its guarantee is waiting
+        if t.get("preempt_bytes"):
+            words.append("preempting")  # completions will not cover the waiter's need in time
     if t.get("limit_state", "applied") != "applied":
         words.append("deferred")  # above a new limit: no growth, pages go back as they empty
     return Text(",".join(words) or "-", style="yellow" if words else "")

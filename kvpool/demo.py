@@ -57,6 +57,7 @@ import torch
 from ._demo_clock import RealClock
 from ._demo_model import (BLOCK_BYTES, HEAD_DIM, HEADS, LAYERS, ContiguousKV, PagedKV, TinyDecoder,
                           greedy)
+from ._demo_sched import Running as RunningRequest
 from ._demo_sched import Scheduler
 from ._demo_traces import BLOCK_TOKENS, SHAPES, Request, make_trace, max_request_blocks
 from .geometry import Geometry
@@ -89,11 +90,15 @@ class Engine(Scheduler):
         blocks = torch.from_numpy(ids)
         self.running.append((r, ids, blocks, PagedKV(self.caches, blocks), None))
 
-    def _take_newest(self) -> tuple[Request, Any] | None:
-        if not self.running:
-            return None
-        r, ids, *_ = self.running.pop()
-        return r, ids
+    def _running_requests(self) -> list[RunningRequest]:
+        # logits None: admitted, not prefilled yet (nothing computed to lose).
+        return [RunningRequest(r, ids, r.new_tokens - len(r.output),
+                        0 if logits is None else len(r.prompt) + len(r.output))
+                for r, ids, _, _, logits in self.running]
+
+    def _take(self, r: Request) -> Any:
+        i = next(i for i, run in enumerate(self.running) if run[0] is r)
+        return self.running.pop(i)[1]
 
     async def serve(self, total: int) -> None:
         """Continuous batching: preempt if lending, prefill newcomers, then one decode step for everyone."""
@@ -105,8 +110,6 @@ class Engine(Scheduler):
             self.act_on_lending()
             for i, (r, ids, blocks, kv, logits) in enumerate(self.running):
                 if logits is None:  # prefill; after a preemption, of the prompt and what it generated
-                    if r.preemptions:
-                        self.recomputed_tokens += len(r.prompt) + len(r.output)
                     logits = self.model.forward(torch.tensor(r.prompt + r.output), 0, kv)
                     self.running[i] = (r, ids, blocks, kv, logits)
             still: list[Running] = []
@@ -224,7 +227,9 @@ def summarize(mode: str, args: argparse.Namespace, elapsed: float, timeline: lis
         "ttft_p99_s": _pct(r["ttft"], 99), "wait_s": r["wait_s"],
         "peak_committed_bytes": r["peak_committed_bytes"],
         "preemptions": r["preemptions"], "recomputed_tokens": r["recomputed_tokens"],
-        "preempted_wait_s": r["preempted_wait_s"],
+        "preempted_wait_s": r["preempted_wait_s"], "preemptions_asked": r.get("preemptions_asked", 0),
+        "reclaimed_by_completion_bytes": r.get("reclaimed_by_completion_bytes", 0),
+        "reclaimed_by_preemption_bytes": r.get("reclaimed_by_preemption_bytes", 0),
     } for r in raw]
     all_ttft = [t for r in raw for t in r["ttft"]]
     return {
@@ -239,6 +244,9 @@ def summarize(mode: str, args: argparse.Namespace, elapsed: float, timeline: lis
         "preemptions": sum(p["preemptions"] for p in per_engine),
         "preempted_wait_s": sum(p["preempted_wait_s"] for p in per_engine),
         "recomputed_tokens": sum(p["recomputed_tokens"] for p in per_engine),
+        "preemptions_asked": sum(p["preemptions_asked"] for p in per_engine),
+        "reclaimed_by_completion_bytes": sum(p["reclaimed_by_completion_bytes"] for p in per_engine),
+        "reclaimed_by_preemption_bytes": sum(p["reclaimed_by_preemption_bytes"] for p in per_engine),
         "engines": per_engine, "timeline": timeline,
         "outputs": {rid: out for r in raw for rid, out in r["outputs"].items()},
     }
@@ -515,8 +523,11 @@ async def main_async(args: argparse.Namespace) -> int:
             f"elastic / static: throughput {rat['tokens_per_s']:.2f}x, TTFT p50 {rat['ttft_p50']:.2f}x, "
             f"TTFT p99 {rat['ttft_p99']:.2f}x, time waiting for memory {rat['wait']:.2f}x "
             "(below 1 is better for TTFT and waiting)")
-        console.print(f"preemptions while lending (elastic): {results['elastic']['preemptions']}, "
-                      f"{results['elastic']['recomputed_tokens']} tokens prefilled again")
+        el = results["elastic"]
+        console.print(f"preemptions while lending (elastic): {el['preemptions']} requests on "
+                      f"{el['preemptions_asked']} verdicts, {el['recomputed_tokens']} tokens prefilled again; "
+                      f"memory given back while lending: {el['reclaimed_by_completion_bytes'] / 2**20:.1f} MiB "
+                      f"by completion, {el['reclaimed_by_preemption_bytes'] / 2**20:.1f} MiB by preemption")
         if virtual:
             console.print(f"correctness: not checked (the virtual clock computes no tokens); both modes served "
                           f"the same requests: {'yes' if served_same else 'NO'}; plot: {args.plot}")

@@ -463,6 +463,13 @@ class KVCacheManager(_LimitsMixin):
         if self._limit_state is _DEFERRED:
             self._refresh_limit_state()
 
+    def _after_free(self) -> None:
+        """What a free does after the native call: waiters first, a deferred limit re-judged."""
+        if self._priorities:
+            self._dispatch()
+        if self._limit_state is _DEFERRED:
+            self._refresh_limit_state()
+
     # ------------------------------------------------------------ observation
     def available(self, *, priority: int = 0) -> int:
         """Blocks an ``alloc_nowait(n, priority=priority)`` would get right now.

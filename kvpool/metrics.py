@@ -75,6 +75,20 @@ TENANT_METRICS: tuple[Figure, ...] = (
            "counter"),
     Figure("kvpool_tenant_shortages_total", "Allocations refused for lack of memory or admission since the "
            "tenant joined.", "shortages", "counter"),
+    Figure("kvpool_tenant_freeing_bytes", "What the tenant's running requests free within the reclaim bound.",
+           "freeing_bytes"),
+    Figure("kvpool_tenant_preempt_bytes", "While lending, what the tenant is asked to preempt now (0: it gives "
+           "back by completion only).", "preempt_bytes"),
+    Figure("kvpool_tenant_preemptions_asked_total", "Preemption verdicts the tenant's engine acted on.",
+           "preemptions_asked", "counter"),
+    Figure("kvpool_tenant_requests_preempted_total", "Requests the tenant's engine preempted.",
+           "requests_preempted", "counter"),
+    Figure("kvpool_tenant_tokens_recomputed_total", "Prompt and generated tokens of preempted requests, "
+           "prefilled again.", "tokens_recomputed", "counter"),
+    Figure("kvpool_tenant_reclaimed_by_completion_bytes_total", "Block bytes the tenant gave back while lending "
+           "as its requests finished.", "reclaimed_by_completion_bytes", "counter"),
+    Figure("kvpool_tenant_reclaimed_by_preemption_bytes_total", "Block bytes the tenant gave back by preempting "
+           "requests.", "reclaimed_by_preemption_bytes", "counter"),
 )
 
 POOL_METRICS: tuple[Figure, ...] = (

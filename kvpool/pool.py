@@ -253,6 +253,14 @@ class TenantInfo:
     visible: bool                  # in this PID namespace (its liveness is judged here)
     allocs: int                    # allocs granted since it joined (monotonic)
     shortages: int                 # allocs refused for lack of memory or admission (monotonic)
+    # Reclaim by completion first (issue 31; kvpool.BudgetStats says more).
+    freeing_bytes: int = 0         # its running requests free within the reclaim bound (engine-published)
+    preempt_bytes: int = 0         # while lending: what it is asked to preempt now (0: by completion only)
+    preemptions_asked: int = 0     # verdicts with preempt_bytes > 0 its engine acted on (monotonic)
+    requests_preempted: int = 0    # (monotonic)
+    tokens_recomputed: int = 0     # prompt and generated tokens of preempted requests (monotonic)
+    reclaimed_by_completion_bytes: int = 0  # block bytes given back while lending by requests finishing
+    reclaimed_by_preemption_bytes: int = 0  # block bytes given back by preemption
 
 
 # A pool with no live tenant is one of two kinds (issue 32): *empty*, made
@@ -354,7 +362,10 @@ class Pool:
                 want_bytes=r.want, lending=bool(r.lending), restoring=bool(r.restoring),
                 headroom_bytes=r.headroom,
                 keep_free_bytes=r.keep_free, visible=bool(r.visible),
-                allocs=r.allocs, shortages=r.shortages,
+                allocs=r.allocs, shortages=r.shortages, freeing_bytes=r.freeing, preempt_bytes=r.preempt_bytes,
+                preemptions_asked=r.preempt_asked, requests_preempted=r.preempted,
+                tokens_recomputed=r.recomputed_tokens, reclaimed_by_completion_bytes=r.reclaimed_completion,
+                reclaimed_by_preemption_bytes=r.reclaimed_preemption,
             ))
         # The total is the sum of these rows (claims in flight, counted by
         # the ledger's judges, are in neither).

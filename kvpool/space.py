@@ -389,9 +389,36 @@ class KVSpace:
             _core.raise_status(code, msg)
 
     def budget(self) -> BudgetStats:
-        """The tenant's budget: limit, guarantee, what it borrows, whether it lends."""
+        """The tenant's budget: limit, guarantee, what it borrows, whether it lends
+        and, while it lends, how much it must preempt (``preempt_bytes``)."""
         self._check_open()
         return BudgetStats._from_native(self._space.budget())
+
+    def publish_freeing(self, freeing_bytes: int) -> None:
+        """Tell the pool how many bytes this tenant's running requests free within the reclaim bound.
+
+        The engine computes it every step (the block bytes of the requests
+        that finish within the bound); while it lends, its neighbours'
+        waiters count on that memory coming back by completion, and only
+        what it does not cover is asked of lenders as ``preempt_bytes``
+        (:meth:`budget`). Owner-written, not revisioned; >= 0.
+        """
+        self._check_open()
+        code, msg = self._space.publish_freeing(V.integer("freeing_bytes", freeing_bytes))
+        if code != _core.CODE_OK:
+            _core.raise_status(code, msg)
+
+    def free_preempted(self, blocks: Iterable[int] | BlockIds | torch.Tensor, *, requests: int,
+                       tokens: int) -> None:
+        """Free the blocks of ``requests`` preempted requests (``tokens`` to recompute), counted
+        as memory reclaimed by preemption (:class:`BudgetStats`). A bad id raises
+        :class:`InvalidBlocks` and frees nothing."""
+        self._check_open()
+        n_req = V.integer("requests", requests, lo=1)
+        n_tok = V.integer("tokens", tokens)
+        r = self._space.free_preempted(V.block_ids(blocks), n_req, n_tok)
+        if isinstance(r, _core.native.Failure):  # None: freed
+            _core.raise_failure(r, ids=True)
 
     def max_blocks(self) -> int:
         """The most blocks this tenant can ever hold; larger allocs raise :class:`RequestTooLarge`."""

@@ -130,6 +130,7 @@ Status Space::alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t*
                     budget_.refresh(true);
                     continue;
                 }
+                last_need_pages_ = want;
                 note_want_locked(want - static_cast<int64_t>(plan.size()));
                 return shortage_locked(n, "", available);
             }
@@ -142,6 +143,7 @@ Status Space::alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t*
     {
         std::string why;
         if (!budget_.claim(static_cast<int64_t>(plan.size()), &why, promised)) {
+            last_need_pages_ = static_cast<int64_t>(plan.size());
             note_want_locked(static_cast<int64_t>(plan.size()));
             return shortage_locked(n, why, available);
         }
@@ -218,7 +220,7 @@ Status Space::alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t*
 // ------------------------------------------------------------------- free
 
 Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int64_t* released, int64_t* available,
-                   bool nonblocking, bool* release_due) {
+                   bool nonblocking, bool* release_due, int64_t preempted, int64_t tokens) {
     if (released) *released = 0;
     if (available) *available = 0;
     if (release_due) *release_due = false;
@@ -250,6 +252,9 @@ Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int
     const bool emptied = table_.give_back_batch(ids, static_cast<size_t>(n));
     used_ -= n;
     ++counters_.frees;
+    // Rule 6's counters: what a lender gives back, by completion or by
+    // preemption (the verdict in force, not re-judged on the hot path).
+    if (preempted > 0 || budget_.lending()) budget_.count_freed(n * cfg_.block_bytes * cfg_.num_regions, preempted, tokens);
     commit_retry_at_ = {};  // memory came back: a failed refill may work now
     refresh_budget_locked();
     if (cfg_.reserve_thread) {

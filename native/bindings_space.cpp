@@ -352,6 +352,41 @@ void kvpool::bind::bind_space(nb::module_& m) {
             },
             "headroom_bytes"_a,
             "Bytes of this tenant's unused guarantee borrowers must leave free: (code, message).")
+        .def(
+            "publish_freeing",
+            [](Space& s, int64_t bytes) {
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.publish_freeing(bytes);
+                }
+                return std::make_tuple(static_cast<int>(st.code), st.message);
+            },
+            "freeing_bytes"_a,
+            "Bytes this tenant's running requests free within the reclaim bound (budget.hpp, rule 6): "
+            "(code, message).")
+        .def(
+            "free_preempted",
+            [](Space& s, IdInput ids, int64_t requests, int64_t tokens) -> nb::object {
+                if (requests < 1 || tokens < 0)
+                    return nb::cast(Failure{static_cast<int>(Code::Invalid),
+                                            "free_preempted: requests must be >= 1 and tokens >= 0, got " +
+                                                std::to_string(requests) + " and " + std::to_string(tokens),
+                                            0, 0, {}});
+                std::vector<int64_t> bad;
+                Status st;
+                {
+                    // Blocking path: the core validates and frees its own copy of the ids.
+                    nb::gil_scoped_release nogil;
+                    st = s.free(ids.data(), static_cast<int64_t>(ids.shape(0)), &bad, nullptr, nullptr, false,
+                                nullptr, requests, tokens);
+                }
+                if (st.is_ok()) return nb::none();
+                return nb::cast(Failure{static_cast<int>(st.code), std::move(st.message), 0, 0, std::move(bad)});
+            },
+            "ids"_a, "requests"_a, "tokens"_a,
+            "Free the blocks of `requests` preempted requests with `tokens` to recompute, counted as "
+            "reclaimed by preemption (budget.hpp, rule 6): None, or a Failure (nothing freed).")
         .def_prop_ro("inherited", &Space::inherited, "Inherited across fork(): inert in this process.")
         .def("settle", &Space::settle, "timeout_s"_a, nb::call_guard<nb::gil_scoped_release>(),
              "Wait until the reserve thread is idle; False on timeout.")

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <vector>
 
 namespace kvpool {
 namespace {
@@ -76,7 +77,92 @@ Share judge_share(const LedgerSnapshot& s, int slot) {
     return out;
 }
 
+// Rule 6 (budget.hpp), the one place it is written: of the starving
+// waiters' need, the urgent part (within their headroom) and what the
+// lenders' completions within the bound do not cover of the rest, split
+// among the lenders most borrowed first; returns `slot`'s share (0:
+// reclaim by completion only).
+int64_t judge_preempt_share(const LedgerSnapshot& s, int slot) {
+    struct Lender {
+        int64_t borrowed;
+        int slot;
+        int64_t covered;  // of what it borrows, what its completions within the bound free
+    };
+    std::vector<Lender> lenders;
+    int64_t need = 0, urgent = 0, freeing = 0;
+    for (const auto& r : s.rows) {
+        const int64_t g = effective_guarantee(s, r);
+        if (r.want > 0 && r.claimed < g) {
+            // A want is what the waiter's last alloc lacked beyond the room
+            // it had (Space::alloc): the pool's free bytes are counted in it.
+            const int64_t n = std::min(r.want, g - r.claimed);
+            need += n;
+            // A light tenant (it holds less than its headroom, one request
+            // of its largest size: its request's wait is most of its time
+            // to first token) wants up to its headroom at once (rule 5): no
+            // completion covers that in time. A busier one's next request
+            // can wait for completions within the bound.
+            if (r.claimed < r.headroom) urgent += std::min(n, r.headroom);
+        } else if (r.claimed > g) {
+            const int64_t borrowed = r.claimed - g;
+            const int64_t covered = std::min(r.freeing, borrowed);
+            freeing += covered;
+            lenders.push_back({borrowed, r.slot, covered});
+        }
+    }
+    // The urgent part from anything borrowed; the rest only as far as
+    // completions do not cover it, from what they do not free.
+    int64_t now = urgent;
+    int64_t later = std::max<int64_t>(0, need - urgent - freeing);
+    if (now + later <= 0) return 0;
+    std::sort(lenders.begin(), lenders.end(), [](const Lender& a, const Lender& b) {
+        return a.borrowed != b.borrowed ? a.borrowed > b.borrowed : a.slot < b.slot;
+    });
+    for (const auto& l : lenders) {
+        const int64_t a = std::min(l.borrowed, now);
+        now -= a;
+        const int64_t b = std::min(std::max<int64_t>(0, l.borrowed - l.covered - a), later);
+        later -= b;
+        if (l.slot == slot) return a + b;
+        if (now + later <= 0) return 0;
+    }
+    return 0;
+}
+
 }  // namespace
+
+Status Budget::publish_freeing(int64_t bytes) {
+    if (bytes < 0) return Status::make(Code::Invalid, "freeing_bytes must be >= 0, got " + std::to_string(bytes));
+    if (bytes == freeing_bytes_) return Status::ok();
+    freeing_bytes_ = bytes;
+    if (ledger_) ledger_->publish_freeing(slot_, bytes);
+    return Status::ok();
+}
+
+int64_t Budget::judge_preempt() {
+    const int64_t v = ledger_ && lending_ ? judge_preempt_share(ledger_->snapshot(false), slot_) : 0;
+    if (v != preempt_bytes_) {
+        preempt_bytes_ = v;
+        ledger_->publish_preempt(slot_, v);
+    }
+    return v;
+}
+
+void Budget::count_freed(int64_t bytes, int64_t requests, int64_t tokens) {
+    if (requests > 0) {
+        const bool asked = preempt_bytes_ > 0;
+        preempt_asked_ += asked;
+        preempted_ += requests;
+        recomputed_ += tokens;
+        reclaimed_preemption_ += bytes;
+        if (ledger_)
+            ledger_->count_preemption(slot_, asked, static_cast<uint64_t>(requests), static_cast<uint64_t>(tokens),
+                                      static_cast<uint64_t>(bytes));
+    } else if (lending_) {
+        reclaimed_completion_ += bytes;
+        if (ledger_) ledger_->count_reclaimed_completion(slot_, static_cast<uint64_t>(bytes));
+    }
+}
 
 Budget::Budget(std::shared_ptr<Ledger> ledger, int slot, int64_t page_commit_bytes, int64_t private_limit_bytes)
     : ledger_(std::move(ledger)), slot_(slot), pcb_(std::max<int64_t>(1, page_commit_bytes)) {
@@ -291,6 +377,13 @@ BudgetFigures Budget::figures() const {
     f.headroom_bytes = headroom_bytes_;
     f.keep_free_bytes = ledger_ ? std::max<int64_t>(0, keep_free_) : 0;
     f.pool_capacity = ledger_ ? ledger_->capacity() : -1;
+    f.freeing_bytes = freeing_bytes_;
+    f.preempt_bytes = preempt_bytes_;
+    f.preemptions_asked = preempt_asked_;
+    f.requests_preempted = preempted_;
+    f.tokens_recomputed = recomputed_;
+    f.reclaimed_by_completion_bytes = reclaimed_completion_;
+    f.reclaimed_by_preemption_bytes = reclaimed_preemption_;
     return f;
 }
 

@@ -28,6 +28,27 @@
 //      lender it does not grow, its allocs are refused and its emptied pages
 //      go back, but its engine is not asked to preempt (lending() stays
 //      false): the memory comes back as its requests finish.
+//   6. Reclaim by completion first (issue 31). A lender first stops growing
+//      and admitting (rule 2): memory its running requests free goes to the
+//      waiter. Each tenant publishes `freeing`, the bytes its running
+//      requests will free within the reclaim bound (its engine knows how
+//      many decode steps each has left and which pages then empty). On a
+//      snapshot, each tenant waiting below its guarantee needs
+//      n = min(want, guarantee - claimed) (a want is what its last alloc
+//      lacked beyond the room it had, so free bytes are counted in it). If
+//      it holds less than its headroom (a light engine: its next request's
+//      wait is most of its time to first token, rule 5), up to its headroom
+//      of n is urgent: no completion covers it in time. The deficit is the
+//      urgent part plus what the lenders' freeing (each counted up to what
+//      it borrows) does not cover of the rest; only that is preempted, split among the lenders most borrowed
+//      first (slot order among equals): the urgent part from anything a
+//      lender borrows, the rest from what it borrows beyond its freeing.
+//      A lender's share is its verdict preempt_bytes (0: reclaim by
+//      completion only). Every lender computes the same split from the
+//      same rows, so no lender preempts what another was asked for. A
+//      waiter's want is republished against the room there is whenever its
+//      manager asks available() (Space::republish_want_locked), so memory
+//      freed lowers the deficit at once.
 // The verdicts are judged on a ledger snapshot at every claim; the space's
 // hot path reads the cached lending verdict, refreshed when the pool's
 // generation moves (every want appearing or going, every setting, join and
@@ -58,6 +79,14 @@ struct BudgetFigures {
     int64_t headroom_bytes = 0;      // of its unused guarantee, asked to be kept free (rule 5)
     int64_t keep_free_bytes = 0;     // what that asks now: min(headroom, guarantee - claimed)
     int64_t pool_capacity = -1;      // -1 without a pool
+    // Rule 6 (issue 31): reclaim by completion first.
+    int64_t freeing_bytes = 0;       // published: what its running requests free within the bound
+    int64_t preempt_bytes = 0;       // verdict while lending: bytes to preempt now (0: by completion only)
+    int64_t preemptions_asked = 0;   // verdicts with preempt_bytes > 0 its engine acted on
+    int64_t requests_preempted = 0;
+    int64_t tokens_recomputed = 0;   // of the preempted requests: prompt and generated tokens to prefill again
+    int64_t reclaimed_by_completion_bytes = 0;  // block bytes freed while lending, by requests finishing
+    int64_t reclaimed_by_preemption_bytes = 0;  // block bytes freed by preemption
 };
 
 class Budget {
@@ -128,6 +157,19 @@ public:
 
     BudgetFigures figures() const;
 
+    // Rule 6. Publishes what this tenant's running requests free within the
+    // reclaim bound (bytes >= 0, else Invalid; a private budget keeps it).
+    Status publish_freeing(int64_t bytes);
+    int64_t freeing_bytes() const { return freeing_bytes_; }
+    // Judges the preemption verdict on a fresh snapshot (0 unless lending)
+    // and publishes it; returns it.
+    int64_t judge_preempt();
+    int64_t preempt_bytes() const { return preempt_bytes_; }
+    // Blocks freed: `bytes` of them by a preemption of `requests` requests
+    // with `tokens` to recompute (requests > 0), or by completions (counted
+    // only while lending: memory the pool reclaims).
+    void count_freed(int64_t bytes, int64_t requests, int64_t tokens);
+
 private:
     void judge(const LedgerSnapshot& s);  // updates guarantee_, starving_, lending_
     void relend();
@@ -153,6 +195,11 @@ private:
     int64_t headroom_bytes_ = 0;
     int64_t keep_free_ = 0;  // as published
     uint32_t seen_generation_ = 0;
+    // Rule 6: published freeing, the last verdict, and the owner's counters.
+    int64_t freeing_bytes_ = 0;
+    int64_t preempt_bytes_ = 0;
+    int64_t preempt_asked_ = 0, preempted_ = 0, recomputed_ = 0;
+    int64_t reclaimed_completion_ = 0, reclaimed_preemption_ = 0;
 };
 
 }  // namespace kvpool

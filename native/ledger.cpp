@@ -223,6 +223,13 @@ LedgerSnapshot Ledger::snapshot(bool names) const {
         r.keep_free = std::clamp<int64_t>(t.keep_free.load(kSeq), 0, s.capacity);
         r.allocs = t.allocs.load(std::memory_order_relaxed);
         r.shortages = t.shortages.load(std::memory_order_relaxed);
+        r.freeing = std::clamp<int64_t>(t.freeing.load(kSeq), 0, s.capacity);
+        r.preempt_bytes = std::clamp<int64_t>(t.preempt_bytes.load(kSeq), 0, s.capacity);
+        r.preempt_asked = t.preempt_asked.load(std::memory_order_relaxed);
+        r.preempted = t.preempted.load(std::memory_order_relaxed);
+        r.recomputed_tokens = t.recomputed_tokens.load(std::memory_order_relaxed);
+        r.reclaimed_completion = t.reclaimed_completion.load(std::memory_order_relaxed);
+        r.reclaimed_preemption = t.reclaimed_preemption.load(std::memory_order_relaxed);
         // A writer stopped inside the seqlock: use what is there (a torn
         // setting misjudges one tenant's share; waiting forever is worse).
         if (!read_settings(i, &r.limit, &r.limit_revision, &r.guarantee, &r.guarantee_revision)) {

@@ -100,6 +100,22 @@ struct TenantSlot {
     // relaxed: a reader wants a recent count, not an order against claims.
     std::atomic<uint64_t> allocs;
     std::atomic<uint64_t> shortages;
+    // Reclaim by completion first (budget.hpp, rule 2; issue 31). `freeing`:
+    // bytes this tenant's running requests will free within the reclaim
+    // bound (its engine computes it every step); every judge reads it to tell
+    // how much of a starving waiter's need completions will cover. The rest
+    // is the owner's own verdict and counters, for readers (top, metrics):
+    // `preempt_bytes`, what it is asked to preempt now (0: reclaim by
+    // completion only); verdicts with preempt_bytes > 0 its engine acted on,
+    // requests it preempted, their tokens to recompute, and bytes it gave
+    // back while lending by completion and by preemption. Monotonic, relaxed.
+    std::atomic<int64_t> freeing;
+    std::atomic<int64_t> preempt_bytes;
+    std::atomic<uint64_t> preempt_asked;
+    std::atomic<uint64_t> preempted;
+    std::atomic<uint64_t> recomputed_tokens;
+    std::atomic<uint64_t> reclaimed_completion;
+    std::atomic<uint64_t> reclaimed_preemption;
     SlotSettings settings;
 };
 
@@ -134,6 +150,9 @@ struct TenantRow {
     int64_t reserve_pages = 0;
     int64_t headroom = 0, keep_free = 0;  // owner-published (TenantSlot)
     uint64_t allocs = 0, shortages = 0;  // owner-counted answers to alloc: granted, refused
+    int64_t freeing = 0, preempt_bytes = 0;  // owner-published (TenantSlot): reclaim by completion first
+    uint64_t preempt_asked = 0, preempted = 0, recomputed_tokens = 0;  // owner-counted (TenantSlot)
+    uint64_t reclaimed_completion = 0, reclaimed_preemption = 0;       // bytes given back while lending
     int64_t limit = -1, limit_revision = 0, guarantee = -1, guarantee_revision = 0;
 };
 
@@ -192,6 +211,19 @@ public:
     void publish_want(int slot, int64_t want_bytes);
     void publish_lending(int slot, int32_t state);  // 0, 1 lending, 2 restoring
     void publish_headroom(int slot, int64_t headroom_bytes, int64_t keep_free_bytes);
+    // Reclaim by completion first (TenantSlot::freeing and what follows it).
+    void publish_freeing(int slot, int64_t bytes) { hdr_->tenants[slot].freeing.store(bytes, std::memory_order_seq_cst); }
+    void publish_preempt(int slot, int64_t bytes) { hdr_->tenants[slot].preempt_bytes.store(bytes, std::memory_order_release); }
+    void count_preemption(int slot, bool asked, uint64_t requests, uint64_t tokens, uint64_t bytes) {
+        TenantSlot& t = hdr_->tenants[slot];
+        if (asked) t.preempt_asked.fetch_add(1, std::memory_order_relaxed);
+        t.preempted.fetch_add(requests, std::memory_order_relaxed);
+        t.recomputed_tokens.fetch_add(tokens, std::memory_order_relaxed);
+        t.reclaimed_preemption.fetch_add(bytes, std::memory_order_relaxed);
+    }
+    void count_reclaimed_completion(int slot, uint64_t bytes) {
+        hdr_->tenants[slot].reclaimed_completion.fetch_add(bytes, std::memory_order_relaxed);
+    }
     // One alloc answered (granted, or refused: a shortage or beyond what the
     // tenant can ever hold). The hot path: one relaxed add on the owner's
     // slot, no lock, no syscall; inline so it costs no call either.

@@ -185,6 +185,13 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
         t.keep_free.store(0);
         t.allocs.store(0);  // a new tenant's counters start at 0 (a reaper may have died before clearing)
         t.shortages.store(0);
+        t.freeing.store(0);
+        t.preempt_bytes.store(0);
+        t.preempt_asked.store(0);
+        t.preempted.store(0);
+        t.recomputed_tokens.store(0);
+        t.reclaimed_completion.store(0);
+        t.reclaimed_preemption.store(0);
         SlotSettings& st = t.settings;
         // Nobody else writes a slot that is not live yet: take the seqlock
         // plainly, past any odd value a dead writer left behind.
@@ -258,6 +265,13 @@ void Ledger::free_slot(int slot) {
     t.keep_free.store(0);
     t.allocs.store(0);
     t.shortages.store(0);
+    t.freeing.store(0);
+    t.preempt_bytes.store(0);
+    t.preempt_asked.store(0);
+    t.preempted.store(0);
+    t.recomputed_tokens.store(0);
+    t.reclaimed_completion.store(0);
+    t.reclaimed_preemption.store(0);
     t.start_time.store(0);
     t.pidns.store(0);
     t.pid.store(0, kSeq);

@@ -191,6 +191,7 @@ int64_t Space::available() {
     if (!check_usable().is_ok()) return 0;
     std::lock_guard<std::mutex> lk(mu_);
     refresh_budget_locked();
+    republish_want_locked();
     return closed_ ? 0 : available_locked();
 }
 
@@ -204,6 +205,7 @@ bool Space::try_available(int64_t* out) {
     if (closed_) return true;
     if (!cfg_.reserve_thread && budget_.stale()) return false;  // a refresh may release pages: not here
     refresh_budget_locked();  // with a reserve thread: wakes it, no syscall here
+    republish_want_locked();
     *out = available_locked();
     return true;
 }
@@ -240,6 +242,14 @@ void Space::act_on_budget_locked() {
 
 void Space::report_locked() { budget_.report(limit_deferred_locked(), waiting_.load(), table_.count(PageState::Reserve)); }
 
+// A waiter's manager asks available() before retrying its head: republish
+// the want against the room there is now (space.hpp, last_need_pages_).
+void Space::republish_want_locked() {
+    if (waiting_.load() <= 0 || last_want_pages_ <= 0 || last_need_pages_ <= 0 || !budget_.pooled()) return;
+    const int64_t room = budget_.room_pages(false, table_.count(PageState::Releasing));
+    note_want_locked(std::max<int64_t>(1, last_need_pages_ - std::min(last_need_pages_, room)));
+}
+
 void Space::note_want_locked(int64_t pages) {
     if (waiting_.load() > 0) budget_.publish_want(std::max<int64_t>(1, pages));
     last_want_pages_ = pages;
@@ -252,7 +262,7 @@ void Space::report_waiting(int32_t waiting) {
     // Only requests that wait publish a want: a caller that gave up on a
     // shortage must not keep other tenants lending.
     budget_.publish_want(waiting > 0 ? std::max<int64_t>(1, last_want_pages_) : 0);
-    if (waiting <= 0) last_want_pages_ = 0;
+    if (waiting <= 0) last_want_pages_ = last_need_pages_ = 0;
     report_locked();
 }
 
@@ -432,7 +442,16 @@ BudgetFigures Space::budget() {
     if (!check_usable().is_ok()) return BudgetFigures{};
     std::lock_guard<std::mutex> lk(mu_);
     refresh_budget_locked();
+    budget_.judge_preempt();  // rule 6: on a fresh snapshot (others' freeing moves without a generation)
     return budget_.figures();
+}
+
+Status Space::publish_freeing(int64_t bytes) {
+    Status usable = check_usable();
+    if (!usable.is_ok()) return usable;
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return Status::make(Code::Closed, "space is closed");
+    return budget_.publish_freeing(bytes);
 }
 
 int64_t Space::allocated_bytes() {

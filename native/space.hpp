@@ -93,8 +93,11 @@ public:
     // nonblocking: WouldBlock (nothing changed) if the mutex is taken; and
     // without a reserve thread no inline release: *release_due says pages
     // are due to go back, which release_inline() (GIL released) then does.
+    // `preempted` (> 0): the ids are those of that many requests preempted,
+    // with `tokens` to recompute (budget.hpp, rule 6: counted as such).
     Status free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int64_t* released = nullptr,
-                int64_t* available = nullptr, bool nonblocking = false, bool* release_due = nullptr);
+                int64_t* available = nullptr, bool nonblocking = false, bool* release_due = nullptr,
+                int64_t preempted = 0, int64_t tokens = 0);
     // Without a reserve thread: release the idle pages due to go back; returns how many.
     int64_t release_inline();
     int64_t available();
@@ -109,6 +112,7 @@ public:
     Status set_limit(int64_t bytes, int64_t revision, LimitResult* result);
     Status set_guarantee(int64_t bytes, int64_t revision, LimitResult* result);
     Status set_headroom(int64_t bytes);  // budget.hpp, rule 5
+    Status publish_freeing(int64_t bytes);  // budget.hpp, rule 6
     Status set_reserve(int64_t min_pages, int64_t max_pages);
     Status page_occupancy(const int64_t* pages, int64_t n, int64_t* used, int64_t* state);
     SpaceStats stats();
@@ -218,6 +222,12 @@ private:
     std::atomic<int32_t> waiting_{0};
     std::atomic<int64_t> last_alloc_commits_{0}, last_free_releases_{0};
     int64_t last_want_pages_ = 0;  // pages the last shortage lacked (published while requests wait)
+    // Pages the last shortage needed in all (room it had included): while
+    // requests wait, available() republishes the want as this less the room
+    // there is now, so memory freed since lowers what lenders are asked
+    // (budget.hpp, rule 6) without waiting for the next alloc attempt.
+    int64_t last_need_pages_ = 0;
+    void republish_want_locked();
     uint64_t fork_epoch_ = 0;
     uint32_t watch_from_ = 0;  // pool generation the watcher starts from
 };

@@ -1,15 +1,16 @@
 """The pool ledger's byte layout, mirrored from native/ledger.hpp with ctypes
 (not collected: a helper for the hostile tests that write a segment by hand).
 
-    offset 0                                                       14888
-    | header (40 B) | slot 0 (232 B) | slot 1 | ... | slot 63 |
+    offset 0                                                       18472
+    | header (40 B) | slot 0 (288 B) | slot 1 | ... | slot 63 |
       magic u64, version u32, header_bytes u32, capacity i64,
       generation u32, pad u32, tickets u64
 
     slot: pid i32 | live u32 | pidns u64 | start_time u64 | name[72] |
           claimed | pending | want | wait_ticket | waiting i32 | limit_state i32 |
           reserve_pages | lending i32 | pad i32 | judged_revision | headroom | keep_free |
-          allocs u64 | shortages u64 |
+          allocs u64 | shortages u64 | freeing | preempt_bytes | preempt_asked u64 |
+          preempted u64 | recomputed_tokens u64 | reclaimed_completion u64 | reclaimed_preemption u64 |
           settings: seq u64, limit,
           limit_revision, guarantee, guarantee_revision
 
@@ -40,6 +41,10 @@ class TenantSlot(ctypes.Structure):
                 ("reserve_pages", ctypes.c_int64), ("lending", ctypes.c_int32), ("pad0", ctypes.c_int32),
                 ("judged_revision", ctypes.c_int64), ("headroom", ctypes.c_int64), ("keep_free", ctypes.c_int64),
                 ("allocs", ctypes.c_uint64), ("shortages", ctypes.c_uint64),
+                ("freeing", ctypes.c_int64), ("preempt_bytes", ctypes.c_int64),
+                ("preempt_asked", ctypes.c_uint64), ("preempted", ctypes.c_uint64),
+                ("recomputed_tokens", ctypes.c_uint64), ("reclaimed_completion", ctypes.c_uint64),
+                ("reclaimed_preemption", ctypes.c_uint64),
                 ("settings", SlotSettings)]
 
 

@@ -14,7 +14,6 @@ import pathlib
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -198,90 +197,109 @@ def test_the_virtual_clock_runs_in_one_process_only() -> None:
 
 # ------------------------------------------------------------------ acceptance
 #
-# Issue 14: across 20 seeds and the three trace shapes, sharing must leave no
-# engine worse off than its static slice (TTFT p99), and must at least halve
-# the time requests wait for memory. Engines compute per engine here (each its
-# own device): with one shared device a load that saturates compute is a
-# queue for compute, not memory (elastic's waiting is 0.8-0.97x static's
-# whatever the policy, since no memory policy shortens a queue for compute).
-# Two loads: the demo's default (10 a burst, which the engines' compute keeps
-# up with) and the former default (24 a burst: about 22 s of compute for 10 s
-# of arrivals, compute-bound), kept so that the gap at high load stays seen.
-
-# Where the bar is not met yet, the case is a strict xfail with the measured
+# Issue 31 (after issue 14): across 20 seeds, the three trace shapes and
+# three loads (10, 16 and 24 requests a burst; 24 is about 22 s of compute
+# for 10 s of arrivals), engines computing per engine (each its own device;
+# with one shared device a load that saturates compute is a queue for
+# compute, not memory), sharing the pool must
+#   * leave no engine's TTFT p99 worse than its static slice's (1% tolerance),
+#   * recompute at most 2% of the tokens it serves (preemption's cost), and
+#   * cut the time waiting for memory to at most 0.5x static wherever every
+#     engine alone with the whole pool (the most memory any policy could
+#     give it: scripts/demo_virtual_sweep.py --reference) waits at most
+#     0.25x static, else to at most 1.0x (there the queue is for compute).
+#
+# Where a bar is not met yet, the case is a strict xfail with the measured
 # reason (the runs are exact: the same figures on any machine), so a change
 # that meets it turns the mark into a failure that asks for its removal.
-# Measured on this policy, every demo engine keeping its largest request as
-# headroom (scripts/demo_virtual_sweep.py --compute per-engine --reference
-# [--burst 24]); "alone" is each engine with a pool of the whole capacity to
-# itself, the most memory any sharing policy could give it:
-#   burst 10: bursty    worst p99 0.02-0.04x, waiting 0.00x (alone 0.00x)
-#             steady    nobody waits for memory in either mode; p99 1.00x
-#             saturated worst p99 1.00x, waiting 0.00-0.26x (alone 0.00-0.13x)
-#   burst 24: bursty    worst p99 0.87-1.01x, waiting 0.75-0.80x (alone 0.38-0.43x)
-#             steady    worst p99 0.14-1.00x, waiting 0.01-0.68x (alone 0.00-0.01x)
+# Measured on this policy (reclaim by completion first, issue 31; bound
+# RECLAIM_STEPS = 256; every demo engine keeping its largest request as
+# headroom), scripts/demo_virtual_sweep.py --compute per-engine --reference:
+#   burst 10: every case meets every bar (as before issue 31: no preemption)
+#   burst 16: bursty    worst p99 <= 0.86x, waiting 0.25-0.40x (alone 0.02-0.12x), recompute <= 1.2%
+#             (before: recompute up to 15.5%, 18 of 20 seeds over 2%)
+#   burst 24: bursty    worst p99 <= 1.02x, waiting 0.76-0.80x (alone 0.38-0.43x), recompute <= 3.5%
+#             (before: recompute up to 28%, every seed over 2%)
+#             steady    worst p99 <= 1.06x, waiting 0.01-0.65x (alone 0.00-0.01x), at most 2 preemptions
 #             saturated worst p99 1.00x but seed 9 (1.71x), waiting 0.82-0.84x (alone 0.78-0.81x)
-# Before the headroom rule (burst 24): p99 worse than static in 22 of 60 runs
-# (bursty 0.85-1.04x, every saturated seed 2.05-5.20x); waiting bursty
-# 0.69-0.76x, steady 0.00-0.56x, saturated 0.80-0.83x.
-_HEADROOM_TAKEN = ("a request arrives while the memory kept free for it is held by a neighbour that grew within "
-                   "its own guarantee; the borrower restores it only as its running requests finish (it is not "
-                   "asked to preempt), so this one request waits (bursty 11: 1.006x, saturated 9: 1.71x)")
-_HIGH = COMPUTE_BOUND_BURST  # 24 a burst: the figures below are measured at it
-_BURSTS = (DEFAULT_BURST, _HIGH)
-_P99_MISSES = {(_HIGH, "bursty", 11), (_HIGH, "saturated", 9)}
-_WAIT_MISSES = {*((_HIGH, "bursty", s) for s in range(20)), (_HIGH, "steady", 5), (_HIGH, "steady", 6),
-                *((_HIGH, "saturated", s) for s in range(20))}
-_WAIT_WHY = {(_HIGH, "bursty"): "borrowing cuts waiting to 0.75-0.80x, where an engine alone with the whole pool "
-                             "waits 0.38-0.43x: overlapping bursts split the pool and lending preempts",
-             (_HIGH, "steady"): "seeds 5 and 6 overload one engine while the others run near their slices "
-                             "(0.68x, 0.63x)",
-             (_HIGH, "saturated"): "the saturated engine is compute-bound (about 1,515 of 2,765 tokens/s demanded): "
-                                "even alone with the whole pool it waits 0.78-0.81x"}
+_HIGH = COMPUTE_BOUND_BURST  # 24 a burst
+_BURSTS = (DEFAULT_BURST, 16, _HIGH)
+# (burst, shape) where every engine alone with the whole pool waits <= 0.25x
+# static, so the waiting bar is 0.5x (else 1.0x). The alone reference does
+# not depend on the sharing policy; test_the_alone_reference_sets_the_waiting_bars
+# checks it on seed 0 (measured over 20 seeds: burst 10 alone 0.00-0.13x;
+# 16 bursty 0.02-0.12x, steady 0.00x, saturated 0.59-0.69x; 24 bursty
+# 0.38-0.43x, steady 0.00-0.01x, saturated 0.78-0.81x).
+_HALF_BAR = {*((DEFAULT_BURST, shape) for shape in SHAPES), (16, "bursty"), (16, "steady"), (_HIGH, "steady")}
+
+_HEADROOM_TAKEN = ("a light engine's request arrives while the memory kept free for it is held by a neighbour "
+                   "that grew within its own guarantee; the borrower is asked to preempt for it (a light "
+                   "waiter's headroom is urgent) but only at its next step, so this one request waits about one "
+                   "of the saturated engine's steps (saturated 9: 1.71x)")
+_P99_MISSES = {(_HIGH, "saturated", 9): _HEADROOM_TAKEN,
+               (_HIGH, "bursty", 5): "a bursting engine's request waits for completions below its guarantee "
+                                     "instead of preempting (0 preemptions): 1.019x",
+               (_HIGH, "steady", 2): "engine 0's requests wait for a neighbour's completions (no preemption, "
+                                     "bound 256 steps): 1.062x; one preemption (bound 8) gives 0.27x",
+               (_HIGH, "steady", 11): "as steady 2: waits for completions instead of preempting, 1.042x"}
+_URGENT = "recomputed: a light engine's headroom (urgent: no completion covers it in time) taken from long requests"
+_RECOMPUTE_MISSES = {(_HIGH, "bursty", 2): f"3.3% {_URGENT}", (_HIGH, "bursty", 6): f"3.5% {_URGENT}",
+                     (_HIGH, "bursty", 9): f"2.8% {_URGENT}", (_HIGH, "bursty", 15): f"2.05% {_URGENT}",
+                     (_HIGH, "bursty", 16): f"2.6% {_URGENT}"}
+_WAIT_MISSES = {(_HIGH, "steady", 5): "seed 5 overloads one engine while the others run near their slices: "
+                                      "0.66x where the bar is 0.5x (alone 0.00x)"}
 
 
 @functools.cache
 def _acceptance_run(burst: int, shape: str, seed: int) -> dict[str, dict[str, Any]]:
     """Both modes of one acceptance case, per-engine compute: the figures the
-    tests below read (waiting, each engine's TTFT p99), run once per case for
-    all of them. The runs are exact, so reading one run twice is the same as
-    running it twice."""
+    tests below read, run once per case for all of them. The runs are exact,
+    so reading one run twice is the same as running it twice."""
     res = _virtual("--trace", shape, "--seed", str(seed), "--burst", str(burst), "--compute", "per-engine")
-    return {mode: {"wait_s": r["wait_s"],
+    return {mode: {"wait_s": r["wait_s"], "tokens": r["tokens"], "recomputed_tokens": r["recomputed_tokens"],
                    "engines": [{"engine": e["engine"], "ttft_p99_s": e["ttft_p99_s"]} for e in r["engines"]]}
             for mode, r in res.items()}
 
 
-def _cases(misses: set[tuple[int, str, int]], why: Callable[[int, str], str]) -> list[object]:
-    return [pytest.param(burst, shape, seed, marks=pytest.mark.xfail(strict=True, reason=why(burst, shape)))
+def _cases(misses: dict[tuple[int, str, int], str]) -> list[object]:
+    return [pytest.param(burst, shape, seed, marks=pytest.mark.xfail(strict=True, reason=misses[burst, shape, seed]))
             if (burst, shape, seed) in misses else pytest.param(burst, shape, seed)
             for burst in _BURSTS for shape in SHAPES for seed in range(20)]
 
 
-@pytest.mark.parametrize(("burst", "shape", "seed"), _cases(_P99_MISSES, lambda burst, shape: _HEADROOM_TAKEN))
+@pytest.mark.parametrize(("burst", "shape", "seed"), _cases(_P99_MISSES))
 def test_no_engine_is_worse_off_sharing_the_pool_than_with_its_static_slice(burst: int, shape: str,
                                                                               seed: int) -> None:
     res = _acceptance_run(burst, shape, seed)
     el, st = res["elastic"], res["static"]
-    worse = {e["engine"]: (round(e["ttft_p99_s"], 3), round(s["ttft_p99_s"], 3))
-             for e, s in zip(el["engines"], st["engines"]) if e["ttft_p99_s"] > s["ttft_p99_s"]}
-    assert not worse, f"TTFT p99 (elastic, static) worse when sharing, by engine: {worse}"
+    worse = {e["engine"]: (round(e["ttft_p99_s"], 4), round(s["ttft_p99_s"], 4))
+             for e, s in zip(el["engines"], st["engines"]) if e["ttft_p99_s"] > 1.01 * s["ttft_p99_s"]}
+    assert not worse, f"TTFT p99 (elastic, static) worse by more than 1% when sharing, by engine: {worse}"
 
 
-@pytest.mark.parametrize(("burst", "shape", "seed"),
-                         _cases(_WAIT_MISSES, lambda burst, shape: _WAIT_WHY[burst, shape]))
-def test_sharing_the_pool_halves_the_time_waiting_for_memory(burst: int, shape: str, seed: int) -> None:
+@pytest.mark.parametrize(("burst", "shape", "seed"), _cases(_RECOMPUTE_MISSES))
+def test_sharing_recomputes_at_most_two_percent_of_the_tokens_served(burst: int, shape: str, seed: int) -> None:
+    el = _acceptance_run(burst, shape, seed)["elastic"]
+    assert el["recomputed_tokens"] <= 0.02 * el["tokens"], (
+        f"recomputed {el['recomputed_tokens']} of {el['tokens']} tokens served")
+
+
+@pytest.mark.parametrize(("burst", "shape", "seed"), _cases(_WAIT_MISSES))
+def test_sharing_cuts_the_time_waiting_for_memory_as_far_as_the_alone_reference_allows(
+        burst: int, shape: str, seed: int) -> None:
     res = _acceptance_run(burst, shape, seed)
     el, st = res["elastic"], res["static"]
-    assert el["wait_s"] <= 0.5 * st["wait_s"], (
-        f"time waiting for memory: elastic {el['wait_s']:.1f} s vs static {st['wait_s']:.1f} s")
+    bar = 0.5 if (burst, shape) in _HALF_BAR else 1.0
+    assert el["wait_s"] <= bar * st["wait_s"], (
+        f"time waiting for memory: elastic {el['wait_s']:.2f} s vs static {st['wait_s']:.2f} s (bar {bar}x)")
 
 
-@pytest.mark.parametrize(("burst", "shape", "seed"), _cases(set(), lambda burst, shape: ""))
-def test_sharing_the_pool_never_lengthens_the_time_waiting_for_memory(burst: int, shape: str, seed: int) -> None:
-    # Where the halving above is not met, sharing must still not make the
-    # engines wait longer in all than their static slices do.
-    res = _acceptance_run(burst, shape, seed)
-    el, st = res["elastic"], res["static"]
-    assert el["wait_s"] <= st["wait_s"], (
-        f"time waiting for memory: elastic {el['wait_s']:.1f} s vs static {st['wait_s']:.1f} s")
+@pytest.mark.parametrize("burst", _BURSTS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_alone_reference_sets_the_waiting_bars(burst: int, shape: str) -> None:
+    # Each engine alone with a pool of the whole capacity: the bar is 0.5x
+    # static where that waits <= 0.25x static (seed 0 of each case).
+    res = run_virtual(compare(options(["--clock", "virtual", "--trace", shape, "--seed", "0", "--burst", str(burst),
+                                       "--compute", "per-engine"]), ("static", "alone")))
+    alone, st = res["alone"]["wait_s"], res["static"]["wait_s"]
+    assert (alone <= 0.25 * st) == ((burst, shape) in _HALF_BAR), (alone, st)
