@@ -123,6 +123,32 @@ uint64_t own_pid_namespace() {
     return static_cast<uint64_t>(st.st_ino);
 }
 
+// Every figure the owner writes, back to 0: the one list of them, for a
+// tenant joining (a reaper may have died before clearing the slot) and for a
+// slot being freed (no stale claim, want or wait for the next reader).
+static void clear_figures(TenantSlot& t) {
+    t.claimed.store(0);
+    t.pending.store(0);
+    t.want.store(0);
+    t.wait_ticket.store(0);
+    t.waiting.store(0);
+    t.limit_state.store(0);
+    t.judged_revision.store(0);
+    t.reserve_pages.store(0);
+    t.lending.store(0);
+    t.headroom.store(0);
+    t.keep_free.store(0);
+    t.allocs.store(0);  // counters start at 0 for a new tenant
+    t.shortages.store(0);
+    t.freeing.store(0);
+    t.preempt_bytes.store(0);
+    t.preempt_asked.store(0);
+    t.preempted.store(0);
+    t.recomputed_tokens.store(0);
+    t.reclaimed_completion.store(0);
+    t.reclaimed_preemption.store(0);
+}
+
 Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int64_t guarantee_bytes, int* slot) {
     if (!valid_name(name))
         return Status::make(Code::Invalid, "bad tenant name " + quoted_name(name) +
@@ -172,26 +198,7 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
         t.start_time.store(start, kSeq);
         std::memset(t.name, 0, sizeof(t.name));
         std::memcpy(t.name, name.data(), name.size());
-        t.claimed.store(0);
-        t.pending.store(0);
-        t.want.store(0);
-        t.wait_ticket.store(0);
-        t.waiting.store(0);
-        t.limit_state.store(0);
-        t.judged_revision.store(0);
-        t.reserve_pages.store(0);
-        t.lending.store(0);
-        t.headroom.store(0);
-        t.keep_free.store(0);
-        t.allocs.store(0);  // a new tenant's counters start at 0 (a reaper may have died before clearing)
-        t.shortages.store(0);
-        t.freeing.store(0);
-        t.preempt_bytes.store(0);
-        t.preempt_asked.store(0);
-        t.preempted.store(0);
-        t.recomputed_tokens.store(0);
-        t.reclaimed_completion.store(0);
-        t.reclaimed_preemption.store(0);
+        clear_figures(t);  // a reaper may have died before clearing them
         SlotSettings& st = t.settings;
         // Nobody else writes a slot that is not live yet: take the seqlock
         // plainly, past any odd value a dead writer left behind.
@@ -255,23 +262,7 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
 void Ledger::free_slot(int slot) {
     TenantSlot& t = hdr_->tenants[slot];
     t.live.store(0, kSeq);
-    t.claimed.store(0);
-    t.pending.store(0);
-    t.want.store(0);
-    t.waiting.store(0);
-    t.wait_ticket.store(0);
-    t.lending.store(0);
-    t.headroom.store(0);
-    t.keep_free.store(0);
-    t.allocs.store(0);
-    t.shortages.store(0);
-    t.freeing.store(0);
-    t.preempt_bytes.store(0);
-    t.preempt_asked.store(0);
-    t.preempted.store(0);
-    t.recomputed_tokens.store(0);
-    t.reclaimed_completion.store(0);
-    t.reclaimed_preemption.store(0);
+    clear_figures(t);
     t.start_time.store(0);
     t.pidns.store(0);
     t.pid.store(0, kSeq);
