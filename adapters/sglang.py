@@ -42,8 +42,10 @@ Shortages. ``available_size()`` is what an alloc can deliver now: the
 space's free pages within its pool budget and limit, plus pending ones.
 SGLang admits work by it and treats a later ``None`` as a fatal
 out-of-memory, so when another engine takes the budget in between, an alloc
-waits up to ``shortage_wait_s`` (telling the pool this engine is waiting)
-before returning ``None``; never when SGLang's own allocator would miss too.
+waits in :meth:`kvpool.KVSpace.acquire` (the pool sees this engine waiting)
+for as long as the other tenants make progress, and returns ``None`` once
+none has for ``shortage_wait_s``; never when SGLang's own allocator would
+miss too.
 Below the pool's edge ``available_size()`` is less than ``size - used``, so
 SGLang's idle leak check (available + evictable == ``max_total_num_tokens``)
 has to be relaxed by the integration.
@@ -61,7 +63,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -82,7 +83,6 @@ Ids = npt.NDArray[np.int64]
 IntsLike = torch.Tensor | Sequence[int] | npt.NDArray[np.integer[Any]]
 
 _uids = itertools.count()
-_POLL_S = 0.05  # shortage wait: re-try at least this often (other engines' frees do not wake us)
 
 
 @dataclass(frozen=True)
@@ -129,8 +129,10 @@ class KVPoolTokenAllocator:
             space picks best-fit pages).
         debug: check ``last_loc`` against the held pages (a host copy: one
             sync per alloc). ``None``: when ``$SGLANG_DEBUG_MEMORY_POOL`` is set.
-        shortage_wait_s: how long an alloc waits when only the pool's budget
-            is short; ``0`` returns ``None`` at once.
+        shortage_wait_s: when only the pool's budget is short, an alloc waits
+            while other tenants make progress and gives up (``None``) once
+            none has for this long (a stopped peer); ``0`` returns ``None``
+            at once.
         space: a space to borrow (``null_block=True``, ``num_blocks = size //
             page_size + 1``); :meth:`close` leaves it open. Without it the
             allocator makes one from ``geometry`` or from ``num_layers``,
@@ -351,27 +353,17 @@ class KVPoolTokenAllocator:
         return self._pages.take(n, lambda m: self._alloc_space(m, n))
 
     def _alloc_space(self, m: int, n: int) -> Ids | None:
-        """``m`` blocks of the space, waiting (bounded) when only the pool budget is short."""
-        deadline: float | None = None
+        """``m`` blocks of the space, waiting (``KVSpace.acquire``) when only the pool budget is short."""
         try:
-            while True:
-                try:
-                    return self.space.alloc(m)
-                except PoolExhausted:
-                    # SGLang's own allocator misses too when n exceeds the pages it does not hold.
-                    if self.shortage_wait_s <= 0 or n > self.num_pages - int(self._held_mask().sum()):
-                        return None
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + self.shortage_wait_s
-                    if self.space.pool is not None:
-                        self.space.report_waiting(1)  # the vLLM plugin gives cached pages back for this
-                if now >= deadline:
-                    return None
-                self.space.wait_for_capacity(min(deadline - now, _POLL_S))
-        finally:
-            if deadline is not None and self.space.pool is not None:
-                self.space.report_waiting(0)
+            return self.space.alloc(m)
+        except PoolExhausted:
+            # SGLang's own allocator misses too when n exceeds the pages it does not hold.
+            if self.shortage_wait_s <= 0 or n > self.num_pages - int(self._held_mask().sum()):
+                return None
+        try:
+            return self.space.acquire(m, stall=self.shortage_wait_s)
+        except PoolExhausted:  # RequestTooLarge included: SGLang's miss
+            return None
 
     # -- free ----------------------------------------------------------------
     def free(self, free_index: IntsLike) -> None:

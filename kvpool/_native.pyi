@@ -378,6 +378,11 @@ class Space:
         alloc (alloc_promised if promised) answered as [items[id] for each id]; items: a list with an entry per block.
         """
 
+    def acquire(self, n: int, items: list[Any] | None = None, promised: bool = False, stall: float = 30.0, timeout: float = float('inf')) -> numpy.typing.NDArray[numpy.int64] | list[Any] | Failure:
+        """
+        alloc, waiting (GIL released) while the pool makes progress: a Failure only for a request never grantable, a closed space, or a pool stalled for `stall` s (or after `timeout` s).
+        """
+
     def free_items(self, items: list[Any], attr: str) -> int | Failure:
         """
         free of [getattr(item, attr) for item in items] (the ids read natively); as free.

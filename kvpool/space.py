@@ -12,7 +12,7 @@ import os
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NoReturn, cast
+from typing import Literal, NoReturn, TypeVar, cast, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +27,8 @@ from .geometry import Geometry
 from .pool import Pool
 from .ranks import MAX_RANKS, RankHandle
 from ._sizes import format_size
+
+T = TypeVar("T")
 
 __all__ = ["BudgetStats", "KVSpace", "PageInfo", "SharedMemory", "SpaceStats", "cuda_unavailable_reason",
            "map_shared"]
@@ -289,6 +291,52 @@ class KVSpace:
         except TypeError:  # an int beyond int64: the checked path names it
             raise ValueError(f"n must be <= {V.INT64_MAX} (the native core's int64), got {n}") from None
         if not isinstance(r, _ndarray):
+            alloc_failed(r, n)
+        return r
+
+    @overload
+    def acquire(self, n: int, *, items: None = None, promised: bool = False, stall: float = 30.0,
+                timeout: float | None = None) -> BlockIds: ...
+
+    @overload
+    def acquire(self, n: int, *, items: list[T], promised: bool = False, stall: float = 30.0,
+                timeout: float | None = None) -> list[T]: ...
+
+    def acquire(self, n: int, *, items: list[T] | None = None, promised: bool = False, stall: float = 30.0,
+                timeout: float | None = None) -> BlockIds | list[T]:
+        """Allocate ``n`` blocks, all or nothing, waiting for memory to come back.
+
+        The one bounded wait of synchronous callers (the vLLM plugin's block
+        pool, the SGLang allocator; an asyncio engine awaits
+        :meth:`KVCacheManager.alloc` instead). This thread blocks with the GIL
+        released; while it waits the pool sees this tenant waiting (so
+        borrowers lend), and it wakes when other tenants give memory back.
+
+        The wait is bounded by what other tenants *do*, not by how long they
+        take: it goes on while any of them claims, frees or is granted
+        memory, joins, leaves or changes a setting, and raises
+        :class:`PoolExhausted` ("the pool stalled") once none has for
+        ``stall`` seconds: a stopped or hung peer costs a shortage, a busy
+        one only time. ``timeout`` (``None``: none) bounds the whole wait.
+        :class:`RequestTooLarge` at once for a request this tenant can never
+        hold; :class:`PoolClosed` if the space closes meanwhile; a signal
+        handler's exception (``KeyboardInterrupt``) ends the wait with nothing
+        held.
+
+        ``items``: a list with an entry per block; the answer is then
+        ``[items[i] for i in ids]`` (the vLLM plugin's block objects).
+        ``promised``: as :meth:`alloc`.
+        """
+        n = V.integer("n", n, hi=V.INT64_MAX)
+        stall = V.seconds("stall", stall, allow_inf=False)
+        if stall <= 0:
+            raise ValueError(f"stall must be > 0 seconds, got {stall}")
+        limit = math.inf if timeout is None else V.seconds("timeout", timeout)
+        if items is not None and type(items) is not list:
+            raise TypeError(f"items must be a list (an entry per block), got {type(items).__name__}")
+        self._check_open()
+        r = self._space.acquire(n, items, V.flag("promised", promised), stall, limit)
+        if isinstance(r, _core.native.Failure):
             alloc_failed(r, n)
         return r
 

@@ -14,6 +14,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 
 // numpy's C API table is defined in bindings.cpp (_import_array there).
@@ -182,32 +183,84 @@ nb::object alloc_ids(Space& s, int64_t n, bool promised) {
 
 namespace kvpool::bind {
 
+// Space::acquire as the bindings run it: the GIL released for the whole
+// wait, signals (Ctrl-C) checked between its sleeps.
+Status run_acquire(Space& s, int64_t n, int64_t* out, bool promised, double stall, double timeout,
+                   int64_t* available) {
+    AcquireWait w;
+    w.promised = promised;
+    w.stall_s = stall;
+    w.timeout_s = timeout;
+    w.interrupted = [] {
+        nb::gil_scoped_acquire gil;
+        return PyErr_CheckSignals() != 0;
+    };
+    Status st;
+    {
+        nb::gil_scoped_release nogil;
+        st = s.acquire(n, out, available, w);
+    }
+    if (st.code == Code::Interrupted) throw nb::python_error();  // the signal handler's exception
+    return st;
+}
+
+namespace {
+void check_items(Space& s, nb::handle items, const char* who) {
+    if (!PyList_CheckExact(items.ptr())) throw nb::type_error((std::string(who) + ": items must be a list").c_str());
+    if (PyList_GET_SIZE(items.ptr()) < s.config().num_blocks)
+        throw nb::value_error((std::string(who) + ": items must have an entry for every block of the space").c_str());
+}
+
+// The n allocated `ids` answered as [items[id] for each id]; on no memory
+// for the answer the blocks go back.
+nb::object answer_items(Space& s, int64_t n, nb::handle items, const int64_t* ids) {
+    PyObject* table = items.ptr();
+    PyObject* out = PyList_New(static_cast<Py_ssize_t>(n));
+    if (out == nullptr) {  // no memory for the answer: give the blocks back
+        nb::gil_scoped_release nogil;
+        std::vector<int64_t> bad;
+        s.free(ids, n, &bad);
+        throw nb::python_error();
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        PyObject* item = PyList_GET_ITEM(table, static_cast<Py_ssize_t>(ids[i]));
+        Py_INCREF(item);
+        PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), item);
+    }
+    return nb::steal(out);
+}
+}  // namespace
+
 // alloc_items: n ids allocated as alloc_ids does, answered as `items[id]` for
 // each (a list): the vLLM plugin passes its block objects and gets them back
 // without building ids on either side.
 nb::object alloc_items(Space& s, int64_t n, nb::handle items, bool promised) {
-    PyObject* table = items.ptr();
-    if (!PyList_CheckExact(table)) throw nb::type_error("alloc_items: items must be a list");
-    if (PyList_GET_SIZE(table) < s.config().num_blocks)
-        throw nb::value_error("alloc_items: items must have an entry for every block of the space");
+    check_items(s, items, "alloc_items");
     thread_local std::vector<int64_t> ids;
     ids.resize(static_cast<size_t>(n > 0 && n <= s.capacity() ? n : 0));
     int64_t available = 0;
     Status st = run_alloc(s, n, ids.data(), promised, &available);
     if (!st.is_ok()) return failed_alloc(s, std::move(st), available);
-    PyObject* out = PyList_New(static_cast<Py_ssize_t>(n));
-    if (out == nullptr) {  // no memory for the answer: give the blocks back
-        nb::gil_scoped_release nogil;
-        std::vector<int64_t> bad;
-        s.free(ids.data(), n, &bad);
-        throw nb::python_error();
+    return answer_items(s, n, items, ids.data());
+}
+
+// acquire: Space::acquire answered as alloc (ids) or alloc_items (items given).
+nb::object acquire(Space& s, int64_t n, nb::handle items, bool promised, double stall, double timeout) {
+    if (!items.is_none()) check_items(s, items, "acquire");
+    int64_t* data = nullptr;
+    std::vector<int64_t> scratch;
+    nb::object ids;
+    const int64_t len = n > 0 && n <= s.capacity() ? n : 0;
+    if (items.is_none()) {
+        ids = new_int64_array(len, &data);
+    } else {
+        scratch.resize(static_cast<size_t>(len));
+        data = scratch.data();
     }
-    for (int64_t i = 0; i < n; ++i) {
-        PyObject* item = PyList_GET_ITEM(table, static_cast<Py_ssize_t>(ids[static_cast<size_t>(i)]));
-        Py_INCREF(item);
-        PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), item);
-    }
-    return nb::steal(out);
+    int64_t available = 0;
+    Status st = run_acquire(s, n, data, promised, stall, timeout, &available);
+    if (!st.is_ok()) return failed_alloc(s, std::move(st), available);
+    return items.is_none() ? ids : answer_items(s, n, items, data);
 }
 
 nb::object free_items(Space& s, nb::handle items, nb::handle attr, bool want_available) {
@@ -226,6 +279,7 @@ int64_t available_now(Space& s) {
 
 }  // namespace kvpool::bind
 
+using kvpool::bind::acquire;
 using kvpool::bind::alloc_items;
 using kvpool::bind::available_now;
 using kvpool::bind::free_items;
@@ -246,6 +300,13 @@ void kvpool::bind::bind_space(nb::module_& m) {
              nb::sig("def alloc_items(self, n: int, items: list[typing.Any], promised: bool = False) -> list[typing.Any] | Failure"),
              "alloc (alloc_promised if promised) answered as [items[id] for each id]; items: a list with an "
              "entry per block.")
+        .def("acquire", &acquire, "n"_a, "items"_a = nb::none(), "promised"_a = false, "stall"_a = 30.0,
+             "timeout"_a = std::numeric_limits<double>::infinity(),
+             nb::sig("def acquire(self, n: int, items: list[typing.Any] | None = None, promised: bool = False, "
+                     "stall: float = 30.0, timeout: float = float('inf')) -> "
+                     "numpy.typing.NDArray[numpy.int64] | list[typing.Any] | Failure"),
+             "alloc, waiting (GIL released) while the pool makes progress: a Failure only for a request never "
+             "grantable, a closed space, or a pool stalled for `stall` s (or after `timeout` s).")
         .def("free_items", [](Space& s, nb::handle items, nb::handle attr) { return free_items(s, items, attr, true); },
              "items"_a, "attr"_a,
             nb::sig("def free_items(self, items: list[typing.Any], attr: str) -> int | Failure"),

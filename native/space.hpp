@@ -6,6 +6,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -59,6 +61,20 @@ struct SpaceStats {
 
 enum class FaultKind : int { Commit = 0, Release = 1 };
 
+// How Space::acquire waits (acquire.cpp).
+struct AcquireWait {
+    bool promised = false;  // as Space::alloc's `promised`
+    // Give up (Shortage, "stalled") after this long with no other tenant
+    // making progress: nobody claimed, freed, was granted, joined, left or
+    // changed a setting. A stopped or hung peer costs a shortage; a busy
+    // one only time.
+    double stall_s = 30.0;
+    double timeout_s = std::numeric_limits<double>::infinity();  // give up after this long in all
+    // Polled between waits (never with the space mutex held): true ends the
+    // wait with Interrupted, nothing held.
+    std::function<bool()> interrupted;
+};
+
 class Space {
 public:
     // Returns nullptr and sets *status on failure. With a ledger, `slot` is
@@ -86,6 +102,15 @@ public:
     // promise back mid-step; it stops growing at its next count instead.
     Status alloc(int64_t n, int64_t* out, int64_t* available, int64_t* committed = nullptr,
                  bool nonblocking = false, bool promised = false);
+    // The one bounded wait of every synchronous caller (the vLLM block pool,
+    // the SGLang allocator): alloc, and on a shortage wait for memory to
+    // come back and try again. While it waits the space reports one waiting
+    // request (unless the caller already reports its own), so lenders give
+    // back; it wakes on the pool's generation (cross-process) and the
+    // reserve thread, through the eventfd. Answers as alloc does, once:
+    // Unsatisfiable at once, never queued; Shortage only when the pool
+    // stalled (AcquireWait::stall_s) or the timeout passed.
+    Status acquire(int64_t n, int64_t* out, int64_t* available, const AcquireWait& wait);
     // Validates the whole batch first; on any bad id changes nothing and
     // returns Invalid with the offending ids in *bad. *released (optional) =
     // pages this call released inline; *available (optional) = available()
@@ -174,6 +199,10 @@ private:
     Status do_release(int32_t p, int injected_err);
     int consume_fault_locked(FaultKind kind);
     void signal_eventfd();
+    // acquire(): a mark of what others did (acquire.cpp), and one wait for
+    // a wake-up of at most `seconds`.
+    uint64_t progress_mark_locked() const;
+    void wait_wakeup(double seconds);
 
     // --- reserve thread and pool watcher (reserve.cpp) ---
     struct ThreadWork {

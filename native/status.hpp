@@ -21,6 +21,10 @@ enum class Code : int {
     // flight, reaping) returns this before changing anything; the binding
     // retries it blocking with the GIL released.
     WouldBlock = 7,
+    // Internal, never crosses to Python: Space::acquire's caller asked it to
+    // stop waiting (the binding's signal check raised; the Python error is
+    // set and the binding rethrows it).
+    Interrupted = 8,
 };
 
 struct Status {

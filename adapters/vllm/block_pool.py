@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from typing import Any, NoReturn, cast
 
 import numpy as np
@@ -72,16 +71,14 @@ from kvpool.tracing import get_logger
 
 from vllm.v1.core.block_pool import BlockPool
 
-# How long get_new_blocks waits when another tenant's claim took the pool's
-# free memory between vLLM's free-block check and the allocation (a narrow
-# race a promise cannot win: the memory is gone), before failing.
-SHORTAGE_WAIT_S = 30.0
+# When another tenant's claim took the pool's free memory between vLLM's
+# free-block check and the allocation (a race a promise cannot win: the
+# memory is gone), get_new_blocks waits in KVSpace.acquire for it to come
+# back, for as long as the other tenants make progress; it fails only once
+# none has for this long (a stopped or hung peer holds the memory).
+STALL_S = 30.0
 # Pages given back per step above a lowered limit, or (at least) while lending.
 RECLAIM_PAGES_PER_CHECK = 4
-
-
-class KVPoolShortage(ValueError):
-    """The space could not deliver blocks vLLM was told were free (a race)."""
 
 
 class _SpaceFreeQueue(VllmFreeQueue):
@@ -306,7 +303,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         wait for another tenant's memory."""
         queue = self.free_block_queue
         if type(failure) is list:  # granted (as promised) while lending
-            return self._granted(n, False, failure)
+            return self._granted(n, failure)
         if not promised:
             # Asked beyond the last count: now the count decides (vLLM's
             # ValueError, nothing changed), and covers the request if it can.
@@ -318,52 +315,40 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             if n > free:
                 raise ValueError(f"Cannot get {n} free blocks from the pool ({free} free)")
             promised = True
-        deadline, waited = time.monotonic() + SHORTAGE_WAIT_S, False
         # A shortage: the one other moment the budget is read.
         self._set_lending(self.space.budget())
+        try:
+            alloc_failed(failure, n)  # raises; RequestTooLarge (admission, or a limit lowered since the
+        except RequestTooLarge:       # count) is never grantable: waiting cannot help
+            raise
+        except PoolExhausted as e:
+            short_of = e
         evictable = self._evictable
-        while True:
+        while evictable:
+            # Cached blocks go back to the space, oldest first, and the whole
+            # request is asked again: at least one per round (the space's
+            # figure of what it lacks is a hint, not a promise), all of them
+            # if this engine lends.
+            short = len(evictable) if self._lending else max(1, n - short_of.available)
+            self._release_evictable(list(itertools.islice(evictable.values(), short)))
             try:
-                alloc_failed(failure, n)  # raises
-            except RequestTooLarge:
-                raise  # never grantable (admission, or a limit lowered since the count): waiting cannot help
+                return self._granted(n, self.space.acquire(n, items=cast(list[Any], self.blocks), promised=promised, timeout=0))
             except PoolExhausted as e:
-                if evictable:
-                    # Cached blocks go back to the space, oldest first, and the
-                    # whole request is asked again: at least one per round (the
-                    # space's figure of what it lacks is a hint, not a promise),
-                    # all of them if this engine lends.
-                    short = len(evictable) if self._lending else max(1, n - e.available)
-                    self._release_evictable(list(itertools.islice(evictable.values(), short)))
-                else:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        why = ("this engine lends its memory to a tenant below its guarantee" if self._lending
-                               else "another tenant took the budget")
-                        raise KVPoolShortage(
-                            f"kvpool: {n} blocks were free when vLLM checked but the pool has had only "
-                            f"{e.available} for {SHORTAGE_WAIT_S:.0f} s ({why})") from e
-                    if not waited:
-                        self._log.warning("vllm shortage after free count", requested=n, promised=promised,
-                                          lending=self._lending, available=e.available)
-                    # Another tenant's claim took the pool's free bytes after
-                    # vLLM's check (a promise cannot outbid physical memory):
-                    # wait for memory to come back rather than fail the step
-                    # (and say so, so borrowers lend if this engine is below
-                    # its guarantee).
-                    self._report_waiting(1)
-                    waited = True
-                    self.space.wait_for_capacity(min(left, 0.05))
-            got = self.space._space.alloc_items(n, self.blocks, promised)
-            if type(got) is list:
-                return self._granted(n, waited, got)
-            failure = got
+                if isinstance(e, RequestTooLarge):
+                    raise
+                short_of = e
+        # Nothing of its own left to give: another tenant's claim took the
+        # pool's free bytes after vLLM's check (a promise cannot outbid
+        # physical memory). Wait for memory to come back rather than fail
+        # the step; the space reports the wait, so borrowers lend if this
+        # engine is below its guarantee.
+        self._log.warning("vllm shortage after free count", requested=n, lending=self._lending,
+                          available=self.space.available())
+        return self._granted(n, self.space.acquire(n, items=cast(list[Any], self.blocks), promised=promised, stall=STALL_S))
 
-    def _granted(self, n: int, waited: bool, blocks: list[Any]) -> list[Any]:
+    def _granted(self, n: int, blocks: list[Any]) -> list[Any]:
         queue = self.free_block_queue
         queue.promised = max(0, queue.promised - n)
-        if waited:
-            self._report_waiting(0)
         if self._lending:  # granted: the space may no longer lend
             self._set_lending(self.space.budget())
         return blocks
