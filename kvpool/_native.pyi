@@ -640,7 +640,7 @@ class VllmFreeQueue:
     The native half of the vLLM plugin's free block queue and its pool's hot path (adapters/vllm/block_pool.py).
     """
 
-    def __init__(self, space: Space, blocks: list[Any], evictable: dict[int, Any], watchers: dict[int, Any], pool: Any, checked_get_new: Callable[[Any, int], list[Any]], vllm_get_new: Callable[[Any, int], list[Any]], free_refused: Callable[[Failure], NoReturn], total: int) -> None: ...
+    def __init__(self, space: Space, blocks: list[Any], evictable: dict[int, Any], watchers: dict[int, Any], pool: Any, checked_get_new: Callable[[Any, int], list[Any]], vllm_get_new: Callable[[Any, int], list[Any]], free_refused: Callable[[Failure], NoReturn], take_short: Callable[[int, bool, list[Any] | Failure], list[Any]], report_waiting: Callable[[int], None], keep_readable: Callable[[list[Any]], list[Any]], id_attr: str, total: int) -> None: ...
 
     def popleft_n(self, n: int) -> list[Any]:
         """

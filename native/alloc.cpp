@@ -53,10 +53,35 @@ Status Space::alloc(int64_t n, int64_t* out, int64_t* available, int64_t* commit
     return s;
 }
 
+// alloc() once entered: admit, plan, claim and commit, hand out. Each step
+// either answers having changed nothing, or leaves the next one a plan it
+// can finish.
 Status Space::alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t* out, int64_t* available,
                            int64_t* committed, bool nonblocking, bool promised) {
     if (n < 0) return Status::make(Code::Invalid, "alloc: n must be >= 0, got " + std::to_string(n));
     if (n == 0) return Status::ok();
+    Status s = admit_locked(n, available, promised);
+    if (!s.is_ok()) return s;
+    std::vector<int32_t> plan;  // FREE pages this call must commit
+    s = plan_locked(lk, n, available, nonblocking, promised, &plan);
+    if (!s.is_ok()) return s;
+    if (nonblocking && !plan.empty()) return would_block();  // page commits are syscalls
+    s = claim_and_commit_locked(plan, n, available, promised);
+    if (!s.is_ok()) return s;
+    hand_out_locked(n, out);
+    idle_low_water_ = std::min(idle_low_water_, table_.count(PageState::Reserve));
+    if (committed) *committed = static_cast<int64_t>(plan.size());
+    last_alloc_commits_.store(static_cast<int64_t>(plan.size()), std::memory_order_relaxed);
+    used_ += n;
+    ++counters_.allocs;
+    if (budget_.want_pages() > 0 && waiting_.load() == 0) budget_.publish_want(0);
+    if (cfg_.reserve_thread && table_.idle() < cfg_.reserve_min) cv_.notify_all();
+    return Status::ok();
+}
+
+// Admission: never queue what can never be granted; and a tenant that gives
+// memory back (lending, restoring) does not grow unless its count promised.
+Status Space::admit_locked(int64_t n, int64_t* available, bool promised) {
     refresh_budget_locked();
     // Admission: never queue what can never be granted. Checked before `out`
     // is touched: the caller may pass no buffer.
@@ -79,9 +104,16 @@ Status Space::alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t*
                                                     : "this tenant borrows what other tenants keep free (their headroom)",
                                available);
 
-    std::vector<int32_t> plan;  // FREE pages this call must commit
+    return Status::ok();
+}
+
+// The FREE pages to commit for n blocks beyond the usable ones (*plan), or a
+// shortage (the want published). Waits on cv_ through lk for a page in
+// flight, and reaps dead tenants when short of pool budget, then plans again.
+Status Space::plan_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t* available, bool nonblocking,
+                          bool promised, std::vector<int32_t>* plan) {
     while (true) {
-        plan.clear();
+        plan->clear();
         const int64_t idle_pages = idle_usable_pages_locked();
         const int64_t n_reserve = table_.count(PageState::Reserve);
         const bool idle_limited = idle_pages < table_.idle();
@@ -104,7 +136,7 @@ Status Space::alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t*
             for (const auto& bucket : table_.free_by_cap()) {
                 for (size_t i = bucket.second.size(); i-- > 0 && need > 0;) {
                     if (k > 0) {
-                        plan.push_back(bucket.second[i]);
+                        plan->push_back(bucket.second[i]);
                         --k;
                     }
                     ++want;
@@ -112,7 +144,7 @@ Status Space::alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t*
                 }
                 if (need <= 0) break;
             }
-            if (static_cast<int64_t>(plan.size()) < want || need > 0) {
+            if (static_cast<int64_t>(plan->size()) < want || need > 0) {
                 if (table_.count(PageState::Committing) + table_.count(PageState::Releasing) > 0 &&
                     (promised || n <= available_locked())) {
                     if (nonblocking) return would_block();
@@ -131,14 +163,18 @@ Status Space::alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t*
                     continue;
                 }
                 last_need_pages_ = want;
-                note_want_locked(want - static_cast<int64_t>(plan.size()));
+                note_want_locked(want - static_cast<int64_t>(plan->size()));
                 return shortage_locked(n, "", available);
             }
         }
-        break;
+        return Status::ok();
     }
+}
 
-    if (nonblocking && !plan.empty()) return would_block();  // page commits are syscalls
+// Claim the plan's budget in one step, then commit its pages all-or-nothing;
+// on a failure the claim and every page committed here go back.
+Status Space::claim_and_commit_locked(const std::vector<int32_t>& plan, int64_t n, int64_t* available,
+                                      bool promised) {
     // Claim before commit: the budget for every planned page in one step.
     {
         std::string why;
@@ -180,6 +216,12 @@ Status Space::alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t*
         ++counters_.inline_commits;
     }
 
+    return Status::ok();
+}
+
+// Take n blocks, best fit: partially used pages first, then idle committed
+// pages (the plan's among them).
+void Space::hand_out_locked(int64_t n, int64_t* out) {
     int64_t remaining = n;
     int64_t* cursor = out;
     // 1. Partially used pages, best fit: the smallest page that completes the
@@ -205,16 +247,8 @@ Status Space::alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t*
         table_.take(p, k, cursor);
         remaining -= k;
     }
-    idle_low_water_ = std::min(idle_low_water_, table_.count(PageState::Reserve));
-    if (committed) *committed = static_cast<int64_t>(plan.size());
-    last_alloc_commits_.store(static_cast<int64_t>(plan.size()), std::memory_order_relaxed);
     // The plan guaranteed enough blocks; anything else is a bookkeeping bug.
     if (remaining != 0) std::abort();
-    used_ += n;
-    ++counters_.allocs;
-    if (budget_.want_pages() > 0 && waiting_.load() == 0) budget_.publish_want(0);
-    if (cfg_.reserve_thread && table_.idle() < cfg_.reserve_min) cv_.notify_all();
-    return Status::ok();
 }
 
 // ------------------------------------------------------------------- free

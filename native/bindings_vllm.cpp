@@ -14,7 +14,10 @@
 //
 // Each takes the common case itself and hands anything else to the plugin's
 // Python (a shortage, a lender's grant, blocks a reuse watcher waits on, an
-// allocation beyond the last count): the same code as before, unchanged.
+// allocation beyond the last count) through the callbacks it was built with:
+// one table of callables, each checked when the queue is built, so the core
+// names no method of the plugin (a rename fails at start-up, not at the
+// first shortage).
 // The counters vLLM and the plugin share live here, so both read one copy.
 //
 // The queue holds the plugin's pool (its hooks) and the pool holds the queue:
@@ -22,6 +25,8 @@
 #include <nanobind/nanobind.h>
 
 #include <cstdint>
+#include <string>
+#include <utility>
 
 #include "bindings.hpp"
 #include "space.hpp"
@@ -42,8 +47,10 @@ struct VllmFreeQueue {
     nb::object checked_get_new;  // KVPoolBlockPool.get_new_blocks (the class's)
     nb::object vllm_get_new;     // vLLM's BlockPool.get_new_blocks
     nb::object free_refused;     // (failure) -> raises the kvpool error
-    nb::str block_id{"block_id"}, take_short{"_take_short"}, report_waiting{"_report_waiting"},
-        keep_readable{"_keep_readable"};
+    nb::object take_short;       // (n, covered, alloc answer) -> blocks: popleft_n off its common case
+    nb::object report_waiting;   // (waiting) -> None: tell the pool's ledger
+    nb::object keep_readable;    // (blocks) -> the blocks no reuse watcher waits on
+    nb::str block_id;            // the block objects' int id attribute
 
     int64_t total = 0;            // every block but vLLM's null block
     int64_t num_free_blocks = 0;  // vLLM's figure: both ends of the queue, virtual
@@ -77,7 +84,7 @@ struct VllmFreeQueue {
         if (PyList_CheckExact(got.ptr()) && !lending)
             promised = covered ? promised - n : 0;
         else
-            got = pool.attr(take_short)(n, covered, got);
+            got = take_short(n, covered, got);
         num_free_blocks -= n;
         return got;
     }
@@ -95,7 +102,7 @@ struct VllmFreeQueue {
         nb::object list = nb::borrow(given);
         if (!PyList_CheckExact(list.ptr())) list = nb::steal(PySequence_List(given.ptr()));
         if (!list.is_valid()) throw nb::python_error();
-        if (PyDict_GET_SIZE(watchers.ptr()) != 0) list = nb::find(this).attr(keep_readable)(list);
+        if (PyDict_GET_SIZE(watchers.ptr()) != 0) list = keep_readable(list);
         const Py_ssize_t n = PyList_Size(list.ptr());
         if (n < 0) throw nb::python_error();
         if (n > 0) {
@@ -137,7 +144,7 @@ struct VllmFreeQueue {
     // Nothing in use any more: an offline engine may never call again, so it
     // must not leave "waiting" behind in the ledger.
     void note_if_idle() {
-        if (num_free_blocks == total && reported_waiting != 0) pool.attr(report_waiting)(0);
+        if (num_free_blocks == total && reported_waiting != 0) report_waiting(0);
     }
 
     // get_new_blocks: within the last count (or vLLM's own count while not
@@ -170,7 +177,8 @@ int queue_traverse(PyObject* self, visitproc visit, void* arg) {
     auto* q = nb::inst_ptr<VllmFreeQueue>(self);
     for (nb::handle h : {nb::handle(q->space_obj), nb::handle(q->blocks), nb::handle(q->evictable),
                          nb::handle(q->watchers), nb::handle(q->pool), nb::handle(q->checked_get_new),
-                         nb::handle(q->vllm_get_new), nb::handle(q->free_refused)})
+                         nb::handle(q->vllm_get_new), nb::handle(q->free_refused), nb::handle(q->take_short),
+                         nb::handle(q->report_waiting), nb::handle(q->keep_readable)})
         Py_VISIT(h.ptr());
     Py_VISIT(Py_TYPE(self));
     return 0;
@@ -185,6 +193,9 @@ int queue_clear(PyObject* self) {
     q->checked_get_new.reset();
     q->vllm_get_new.reset();
     q->free_refused.reset();
+    q->take_short.reset();
+    q->report_waiting.reset();
+    q->keep_readable.reset();
     q->watchers.reset();
     q->evictable.reset();
     q->blocks.reset();
@@ -206,10 +217,19 @@ void kvpool::bind::bind_vllm(nb::module_& m) {
             "__init__",
             [](VllmFreeQueue* t, nb::handle space, nb::list blocks, nb::dict evictable, nb::dict watchers,
                nb::object pool, nb::object checked_get_new, nb::object vllm_get_new, nb::object free_refused,
+               nb::object take_short, nb::object report_waiting, nb::object keep_readable, nb::str id_attr,
                int64_t total) {
                 Space* s = nb::cast<Space*>(space);
                 if (static_cast<int64_t>(PyList_GET_SIZE(blocks.ptr())) < s->config().num_blocks)
                     throw nb::value_error("VllmFreeQueue: blocks must have an entry for every block of the space");
+                const std::pair<const char*, nb::handle> callbacks[] = {
+                    {"checked_get_new", checked_get_new}, {"vllm_get_new", vllm_get_new},
+                    {"free_refused", free_refused},       {"take_short", take_short},
+                    {"report_waiting", report_waiting},   {"keep_readable", keep_readable}};
+                for (const auto& [name, fn] : callbacks)
+                    if (!PyCallable_Check(fn.ptr()))
+                        throw nb::type_error((std::string("VllmFreeQueue: ") + name + " must be callable, got " +
+                                              nb::type_name(fn.type()).c_str()).c_str());
                 new (t) VllmFreeQueue{};
                 t->space_obj = nb::borrow(space);
                 t->space = s;
@@ -220,16 +240,24 @@ void kvpool::bind::bind_vllm(nb::module_& m) {
                 t->checked_get_new = std::move(checked_get_new);
                 t->vllm_get_new = std::move(vllm_get_new);
                 t->free_refused = std::move(free_refused);
+                t->take_short = std::move(take_short);
+                t->report_waiting = std::move(report_waiting);
+                t->keep_readable = std::move(keep_readable);
+                t->block_id = std::move(id_attr);
                 t->total = total;
                 t->num_free_blocks = total;
             },
             "space"_a, "blocks"_a, "evictable"_a, "watchers"_a, "pool"_a, "checked_get_new"_a, "vllm_get_new"_a,
-            "free_refused"_a, "total"_a,
+            "free_refused"_a, "take_short"_a, "report_waiting"_a, "keep_readable"_a, "id_attr"_a, "total"_a,
             nb::sig("def __init__(self, space: Space, blocks: list[typing.Any], evictable: dict[int, typing.Any], "
                     "watchers: dict[int, typing.Any], pool: typing.Any, "
                     "checked_get_new: typing.Callable[[typing.Any, int], list[typing.Any]], "
                     "vllm_get_new: typing.Callable[[typing.Any, int], list[typing.Any]], "
-                    "free_refused: typing.Callable[[Failure], typing.NoReturn], total: int) -> None"))
+                    "free_refused: typing.Callable[[Failure], typing.NoReturn], "
+                    "take_short: typing.Callable[[int, bool, list[typing.Any] | Failure], list[typing.Any]], "
+                    "report_waiting: typing.Callable[[int], None], "
+                    "keep_readable: typing.Callable[[list[typing.Any]], list[typing.Any]], id_attr: str, "
+                    "total: int) -> None"))
         .def("popleft_n", &VllmFreeQueue::popleft_n, "n"_a, nb::sig("def popleft_n(self, n: int) -> list[typing.Any]"),
              "vLLM's get_new_blocks(n): the space's ids answered as vLLM's block objects.")
         .def("popleft", &VllmFreeQueue::popleft, nb::sig("def popleft(self) -> typing.Any"), "popleft_n(1)[0].")

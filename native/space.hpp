@@ -177,6 +177,12 @@ private:
     // init()'s null block is no tenant's alloc). May wait on cv_ through lk.
     Status alloc_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t* out, int64_t* available,
                         int64_t* committed, bool nonblocking, bool promised);
+    // Its steps (alloc.cpp), in order.
+    Status admit_locked(int64_t n, int64_t* available, bool promised);
+    Status plan_locked(std::unique_lock<std::mutex>& lk, int64_t n, int64_t* available, bool nonblocking,
+                       bool promised, std::vector<int32_t>* plan);
+    Status claim_and_commit_locked(const std::vector<int32_t>& plan, int64_t n, int64_t* available, bool promised);
+    void hand_out_locked(int64_t n, int64_t* out);
 
     // --- accounting, all called with mu_ held ---
     bool limit_deferred_locked() const;

@@ -59,14 +59,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, NoReturn, cast
+from typing import Any, cast
 
 import numpy as np
 
 from kvpool import BudgetStats, KVSpace, PoolExhausted, RequestTooLarge
-from kvpool._core import raise_failure
-from kvpool._native import Failure, VllmFreeQueue
-from kvpool.space import alloc_failed
+from kvpool.block_queue import FreeQueue, raise_alloc_failure
 from kvpool.tracing import get_logger
 
 from vllm.v1.core.block_pool import BlockPool
@@ -81,13 +79,13 @@ STALL_S = 30.0
 RECLAIM_PAGES_PER_CHECK = 4
 
 
-class _SpaceFreeQueue(VllmFreeQueue):
+class _SpaceFreeQueue(FreeQueue):
     """vLLM's free block queue, kept by the space: what vLLM's own
     ``BlockPool`` methods (``get_new_blocks``, ``free_blocks``, ``touch``,
     ``unpin_blocks``) call on ``free_block_queue``, with the native allocator
     in place of vLLM's linked list.
 
-    The hot half is native (:class:`kvpool._native.VllmFreeQueue`):
+    The hot half is native (:class:`kvpool.block_queue.FreeQueue`):
     ``popleft_n`` answers vLLM's block objects from one native alloc,
     ``prepend_n`` frees them in one native call, ``append_n`` holds cached
     blocks as evictable, and the counters vLLM and the
@@ -108,9 +106,11 @@ class _SpaceFreeQueue(VllmFreeQueue):
     loudly here instead of handing out wrong ids."""
 
     def __init__(self, pool: KVPoolBlockPool) -> None:
-        super().__init__(pool.space._space, pool.blocks, {}, pool._reuse_watchers, pool,
-                         KVPoolBlockPool.get_new_blocks, BlockPool.get_new_blocks, _free_refused,
-                         pool.num_gpu_blocks - 1)  # every block but vLLM's null block
+        super().__init__(pool.space, pool.blocks, pool._reuse_watchers, pool,
+                         checked_get_new=KVPoolBlockPool.get_new_blocks, host_get_new=BlockPool.get_new_blocks,
+                         take_short=pool._take_short, report_waiting=pool._report_waiting,
+                         keep_readable=self._keep_readable, id_attr="block_id",
+                         total=pool.num_gpu_blocks - 1)  # every block but vLLM's null block
         self._pool = pool
 
     def _keep_readable(self, blocks: list[Any]) -> list[Any]:
@@ -139,10 +139,6 @@ class _SpaceFreeQueue(VllmFreeQueue):
             held.values())
 
 
-def _free_refused(failure: Failure) -> NoReturn:
-    raise_failure(failure, ids=True)
-
-
 class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
     """vLLM's ``BlockPool`` contract over a kvpool :class:`~kvpool.KVSpace`."""
 
@@ -165,7 +161,6 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             block.prev_free_block = block.next_free_block = None
         queue = self.free_block_queue = _SpaceFreeQueue(self)
         self._evictable = queue.evictable
-        self._available = space._space.available  # the bound native call of the free count
         # vLLM's two calls per request, native while nothing is unusual (the
         # queue's half of the hot path); a subclass overriding one keeps its own.
         if type(self).get_num_free_blocks is KVPoolBlockPool.get_num_free_blocks:
@@ -235,7 +230,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         elif queue.lending:
             usable = in_use
         else:
-            usable = in_use + min(queued, self._available() + len(self._evictable))
+            usable = in_use + min(queued, self.space.available() + len(self._evictable))
         return in_use / usable if usable else (1.0 if queue.lending else 0.0)
 
     def physical(self) -> dict[str, int]:
@@ -318,7 +313,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         # A shortage: the one other moment the budget is read.
         self._set_lending(self.space.budget())
         try:
-            alloc_failed(failure, n)  # raises; RequestTooLarge (admission, or a limit lowered since the
+            raise_alloc_failure(failure, n)  # raises; RequestTooLarge (admission, or a limit lowered since the
         except RequestTooLarge:       # count) is never grantable: waiting cannot help
             raise
         except PoolExhausted as e:
