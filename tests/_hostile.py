@@ -1,9 +1,10 @@
 """Helpers of the hostile tests (not collected): child tenants, process states,
-and waits that only guard against hangs.
+and a guard for the calls a hang would keep from the test's timeout.
 
-Every wait here waits for an event (a line, a process state, a counter) and
-fails only after a guard far beyond any machine's load: the guard turns a
-hang into a message, it never decides how much happens in a given time.
+A call here waits for an event (a line, a native call's return) and fails
+only after a guard far beyond any machine's load: the guard turns a hang into
+a message, it never decides how much happens in a given time. Polled waits
+(``wait_until``) are in _helpers.py, and the ``pool_name`` fixture in conftest.py.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import pathlib
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import pytest
 
-from kvpool import Geometry, Pool
+from kvpool import Geometry
 
 T = TypeVar("T")
 
@@ -29,15 +29,6 @@ PCB = G.page_commit_bytes  # 32 KiB per page commit
 BLOCKS_PER_PAGE = 4
 CHILD = pathlib.Path(__file__).with_name("_hostile_child.py")
 GUARD_S = float(os.environ.get("KVPOOL_HOSTILE_GUARD_S", "240"))  # lowered only to prove old builds fail fast
-
-
-def wait_for(cond: Callable[[], bool], what: str | Callable[[], str], guard_s: float = GUARD_S) -> None:
-    """Wait for an event another process reaches at its own pace. No deadline of
-    ours: a hang ends in the test's timeout (``guard_s`` is kept for callers
-    and documents the bound the test timeout is sized for)."""
-    del guard_s
-    while not cond():
-        time.sleep(0.002)
 
 
 def bounded(fn: Callable[[], T], what: str, guard_s: float = GUARD_S) -> T:
@@ -121,11 +112,3 @@ def children() -> Iterator[Callable[..., Child]]:
     yield start
     for c in started:
         c.kill()
-
-
-def pool_name_fixture() -> Iterator[str]:
-    import uuid
-
-    name = f"test-hostile-{uuid.uuid4().hex[:10]}"
-    yield name
-    Pool.remove(name)

@@ -9,14 +9,12 @@ SGLang's reference in test_adapter_sglang_extend.py.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from kvpool import Pool
 from kvpool.adapters.sglang import KVPoolTokenAllocator
 
 from .conftest import KiB, snapshot
@@ -46,11 +44,10 @@ def make_alloc_fixture() -> Iterator[MakeAlloc]:
         a.close()
 
 
-def pool_name_fixture() -> Iterator[str]:
-    """The ``pool_name`` fixture: a pool name private to the test, removed at the end."""
-    name = f"test-sglang-{uuid.uuid4().hex[:10]}"
-    yield name
-    Pool.remove(name)
+def pool_name_fixture(pool_names: Callable[[], str]) -> str:
+    """conftest.py's ``pool_name``, for test_adapter_sglang.py, which wraps this
+    as its own fixture (the other files take conftest's directly)."""
+    return pool_names()
 
 
 page_sizes = pytest.mark.parametrize("ps", [1, 4])

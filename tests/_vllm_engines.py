@@ -26,12 +26,14 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from kvpool import Pool
+
+from ._helpers import wait_until
 
 HERE = pathlib.Path(__file__).parent / "vllm_support"
 VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
@@ -92,11 +94,10 @@ def require_vllm() -> None:
 
 
 @pytest.fixture
-def pool_name() -> Iterator[str]:
-    """A private pool name for one test, its ledger removed after."""
-    name = f"test-vllm-{uuid.uuid4().hex[:8]}"
-    yield name
-    Pool.remove(name)
+def pool_name(pool_names: Callable[[], str]) -> str:
+    """conftest.py's ``pool_name``, for test_adapter_vllm.py, which imports it
+    from here (the other files take conftest's directly)."""
+    return pool_names()
 
 
 def wait_listening(port: int, alive: Callable[[], bool], log: Callable[[], str]) -> None:
@@ -244,12 +245,16 @@ def run_together(tmp: pathlib.Path, pool: Pool, engines: dict[str, dict[str, Any
     procs = [run_engine(tmp, dict(cfg, ready_file=str(tmp / f"ready-{name}"), go_file=str(go)), plugin=True,
                         pool=pool.name, tenant=name, wait=False, env_extra=env_extra) for name, cfg in engines.items()]
     sampler = threading.Thread(target=sample, daemon=True)
+
+    def all_ready() -> bool:  # an engine that dies fails here; one that hangs, in the test's timeout
+        if all((tmp / f"ready-{n}").exists() for n in engines):
+            return True
+        dead = [p for p, _ in procs if p.poll() is not None]
+        assert not dead, "an engine died while starting: " + dead[0].communicate()[1][-4000:]
+        return False
+
     try:
-        # An engine that dies fails here; one that hangs, in the test's timeout.
-        while not all((tmp / f"ready-{n}").exists() for n in engines):
-            dead = [p for p, _ in procs if p.poll() is not None]
-            assert not dead, "an engine died while starting: " + dead[0].communicate()[1][-4000:]
-            time.sleep(0.05)
+        wait_until(all_ready, "every engine is ready", interval=0.05)
         sampler.start()
         go.touch()
         results = _finish_all(procs, timeout)

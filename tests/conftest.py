@@ -1,14 +1,17 @@
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import os
 import signal
+import uuid
 
 import pytest
 
 from kvpool import Geometry, KVSpace, Pool
+
+from . import _helpers
 
 # A suite started in the background without job control (`nohup ... &`, a
 # CI runner) inherits SIGINT *ignored*, and so would every child it starts:
@@ -51,6 +54,44 @@ def private_default_pool() -> Iterator[None]:
     os.environ["KVPOOL_POOL"] = name
     yield
     Pool.remove(name)
+
+
+@pytest.fixture
+def pool_names(request: pytest.FixtureRequest) -> Iterator[Callable[[], str]]:
+    """Make pool names private to this test; each one's pool is removed at
+    teardown (whether the test made it or not). Names start with the test's
+    module (``test-pool-3f9a...``), so a ledger left in /dev/shm says whose it is."""
+    owner = request.module.__name__.rpartition(".")[2].replace("_", "-")
+    made: list[str] = []
+
+    def make() -> str:
+        made.append(f"{owner}-{uuid.uuid4().hex[:10]}")
+        return made[-1]
+
+    yield make
+    for name in made:
+        Pool.remove(name)
+
+
+@pytest.fixture
+def pool_name(pool_names: Callable[[], str]) -> str:
+    """A pool name private to this test, its pool removed at teardown."""
+    return pool_names()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report names the waits (tests/_helpers.py) still under way
+    when it failed: a hang cut short by the test's timeout reads as the event
+    that never came."""
+    report: pytest.TestReport = yield
+    if report.failed and _helpers.unfinished:
+        report.sections.append(("unfinished waits", "\n".join(
+            f"still waiting until: {_helpers.describe(w)}" for w in _helpers.unfinished)))
+    if call.when == "teardown":
+        _helpers.unfinished.clear()
+    return report
 
 
 @pytest.fixture

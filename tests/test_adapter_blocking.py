@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable
 
 import anyio
 import pytest
@@ -13,16 +12,10 @@ import pytest
 from kvpool import Geometry, KVCacheManager, PoolClosed, PoolExhausted
 from kvpool.adapters.blocking import BlockingKVCacheManager
 
+from ._helpers import wait_until
 from .conftest import KiB
 
 G = Geometry(1, 2, 4 * KiB, 128, page_bytes=16 * KiB)
-
-
-def wait_until(cond: Callable[[], bool]) -> None:
-    """Poll for a state another thread reaches (threads park at their own pace);
-    a state never reached ends in the test's timeout."""
-    while not cond():
-        time.sleep(0.005)
 
 
 def test_blocking_calls_mirror_the_manager() -> None:
@@ -43,7 +36,7 @@ def test_a_thread_waits_until_another_thread_frees() -> None:
         got: list[int] = []
         t = threading.Thread(target=lambda: got.extend(m.alloc(8).tolist()))
         t.start()
-        wait_until(lambda: m.stats().waiting == 1)
+        wait_until(lambda: m.stats().waiting == 1, "the thread's alloc waits")
         assert got == []
         m.free(held[:8])
         t.join()  # a stuck thread ends in the test's timeout
@@ -64,7 +57,7 @@ def test_close_fails_blocked_threads_with_pool_closed() -> None:
     threads = [threading.Thread(target=want) for _ in range(3)]
     for t in threads:
         t.start()
-    wait_until(lambda: m.stats().waiting == 3)
+    wait_until(lambda: m.stats().waiting == 3, "the three threads' allocs wait")
     m.close()
     for t in threads:
         t.join()

@@ -26,8 +26,7 @@ import pytest
 
 from kvpool import Pool
 
-from ._vllm_engines import (GEMMA_PAGE, MAX_TOKENS, build_model, committed, phase, pool_name, prompts,  # pool_name: a fixture
-                            require_vllm, run_engine)
+from ._vllm_engines import GEMMA_PAGE, MAX_TOKENS, build_model, committed, phase, prompts, require_vllm, run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -31,7 +31,7 @@ import pytest
 
 from kvpool import Pool
 
-from ._vllm_engines import MAX_TOKENS, build_model, committed, phase, pool_name, prompts, require_vllm, run_engine  # pool_name: a fixture
+from ._vllm_engines import MAX_TOKENS, build_model, committed, phase, prompts, require_vllm, run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -23,7 +23,6 @@ import subprocess
 import threading
 import urllib.error
 import urllib.request
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -149,7 +148,7 @@ def test_the_readme_starts_the_server_with_the_command_this_test_runs() -> None:
 
 
 def test_openai_server_with_the_plugin_answers_20_concurrent_completions_as_stock_does(
-        tiny_model: str, tmp_path: pathlib.Path) -> None:
+        tiny_model: str, pool_name: str, tmp_path: pathlib.Path) -> None:
     stock = Server(tiny_model, tmp_path, _env())
     try:
         stock.wait_ready()
@@ -158,9 +157,8 @@ def test_openai_server_with_the_plugin_answers_20_concurrent_completions_as_stoc
         stock_log = stock.stop()
     assert "kvpool is on" not in stock_log  # really stock
 
-    name = f"test-vllm-server-{uuid.uuid4().hex[:8]}"
     cap = 12 * UNIT  # the 20 requests need more at once (up to 11 blocks each): pages are recycled
-    pool = Pool(name, capacity=cap)
+    pool = Pool(pool_name, capacity=cap)
     peak = [0]
     done = threading.Event()
 
@@ -169,7 +167,7 @@ def test_openai_server_with_the_plugin_answers_20_concurrent_completions_as_stoc
             peak[0] = max(peak[0], pool.committed)
             done.wait(0.005)
 
-    server = Server(tiny_model, tmp_path, _env(KVPOOL_VLLM="1", KVPOOL_POOL=name, KVPOOL_VLLM_TENANT="server",
+    server = Server(tiny_model, tmp_path, _env(KVPOOL_VLLM="1", KVPOOL_POOL=pool_name, KVPOOL_VLLM_TENANT="server",
                                                KVPOOL_VLLM_PAGE_BYTES=str(PAGE)))
     sampler = threading.Thread(target=sample, daemon=True)
     try:
@@ -180,7 +178,6 @@ def test_openai_server_with_the_plugin_answers_20_concurrent_completions_as_stoc
     finally:
         done.set()
         log = server.stop()
-        Pool.remove(name)
         (tmp_path / "plugin-server.log").write_text(log)  # kept for a failure's post-mortem
     assert got == expected  # greedy: identical to the stock server
     assert 0 < peak[0] <= cap  # the plugin committed memory, never more than the pool
@@ -188,7 +185,7 @@ def test_openai_server_with_the_plugin_answers_20_concurrent_completions_as_stoc
     start = [line for line in log.splitlines() if "kvpool is on" in line]
     assert len(start) == 1, log[-6000:]
     line = start[0]
-    assert f"pool '{name}'" in line and "tenant 'server'" in line, line
+    assert f"pool '{pool_name}'" in line and "tenant 'server'" in line, line
     assert "KV cache size above is virtual" in line and f"page {PAGE} bytes" in line, line
     assert "maximum concurrency" in line and "the pool can back" in line, line
     assert "INFO" in line, line  # vLLM's format and level, not a kvpool debug event

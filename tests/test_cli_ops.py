@@ -17,7 +17,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,19 +47,15 @@ NO_TORCH = textwrap.dedent(
 
 
 @pytest.fixture
-def pools() -> Iterator[Callable[..., str]]:
-    """Make pools with private names; every one is removed at teardown."""
-    made: list[str] = []
+def pools(pool_names: Callable[[], str]) -> Callable[..., str]:
+    """Make pools with private names (conftest.py's ``pool_names``: every one is removed at teardown)."""
 
     def make(capacity: int = 64 * MiB) -> str:
-        name = f"test-ops-{uuid.uuid4().hex[:8]}"
+        name = pool_names()
         Pool(name, capacity=capacity)
-        made.append(name)
         return name
 
-    yield make
-    for name in made:
-        Pool.remove(name)
+    return make
 
 
 def cli(cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -294,14 +290,14 @@ def test_pools_tells_empty_from_stale_and_gc_removes_only_stale_ones(
 
         rc, out, err = run_main(capsys, "pools", *mine)
         assert rc == 0, err
-        lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("test-ops-")}
+        lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("test-")}
         assert "in use" in lines[live] and "empty" in lines[empty] and "empty" in lines[left]
         assert "stale" in lines[dead] and "unreadable" in lines[junk]
         assert "1 stale pool(s)" in out and "kvpool pools --gc" in out
 
         rc, out, err = run_main(capsys, "pools", "--gc", *mine)
         assert rc == 0, err
-        lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("test-ops-")}
+        lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("test-")}
         assert "removed" in lines[dead] and "removed" not in lines[empty] + lines[left] + lines[live]
         assert f"removed 1 pool(s): {dead}; kept 2 empty pool(s)" in out
         names = set(list_pools())

@@ -14,9 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,8 @@ import pytest
 
 from kvpool import Geometry, LedgerError, Pool, list_pools
 from kvpool.cli import main, parse_size
+
+from ._helpers import wait_until
 
 KiB = 1024
 MiB = 1 << 20
@@ -131,15 +131,13 @@ class Tenants:
 
 
 @pytest.fixture
-def tenants(tmp_path: Path) -> Iterator[Tenants]:
-    name = f"test-cli-{uuid.uuid4().hex[:8]}"
-    Pool(name, capacity=CAPACITY)  # created here, so the children's race to create it does not matter
-    t = Tenants(name, tmp_path)
+def tenants(pool_name: str, tmp_path: Path) -> Iterator[Tenants]:
+    Pool(pool_name, capacity=CAPACITY)  # created here, so the children's race to create it does not matter
+    t = Tenants(pool_name, tmp_path)
     try:
         yield t
     finally:
         t.stop_all()
-        Pool.remove(name)
 
 
 def kvpool_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -175,15 +173,6 @@ def top_json_inproc(capsys: pytest.CaptureFixture[str], pool: str) -> dict[str, 
 
 def by_name(snap: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {t["name"]: t for t in snap["tenants"]}
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def tenant_info(pool: str, name: str) -> Any:
@@ -226,7 +215,8 @@ def test_limit_deferred_then_applied_natively(tenants: Tenants, capsys: pytest.C
     r = kvpool_cli(tenants.cwd, "limit", tenants.pool, "engine-a", "512KiB")
     assert (r.returncode, r.stdout.strip()) == (0, "applied"), r.stderr
     # ... and engine-a's native watcher reports it cannot meet it yet (no idle page to give back).
-    assert wait_for(lambda: tenant_info(tenants.pool, "engine-a").limit_state == "deferred")
+    wait_until(lambda: tenant_info(tenants.pool, "engine-a").limit_state == "deferred",
+               "engine-a's watcher reports the limit deferred", interval=0.02)
     rows = by_name(top_json(tenants.cwd, tenants.pool))
     assert rows["engine-a"]["limit_bytes"] == 512 * KiB
     assert rows["engine-a"]["limit_revision"] == 1
@@ -240,7 +230,8 @@ def test_limit_deferred_then_applied_natively(tenants: Tenants, capsys: pytest.C
     # The engine finishes 3 of its 4 requests: pages go back and the limit is met.
     freed = a.send("free 3")
     assert freed[0] == "freed" and int(freed[2]) == PCB
-    assert wait_for(lambda: by_name(top_json_inproc(capsys, tenants.pool))["engine-a"]["limit_state"] == "applied")
+    wait_until(lambda: by_name(top_json_inproc(capsys, tenants.pool))["engine-a"]["limit_state"] == "applied",
+               "kvpool top shows engine-a's limit applied", interval=0.02)
     snap = top_json_inproc(capsys, tenants.pool)
     rows = by_name(snap)
     assert rows["engine-a"]["limit_bytes"] == 512 * KiB
@@ -249,7 +240,8 @@ def test_limit_deferred_then_applied_natively(tenants: Tenants, capsys: pytest.C
 
     # Clearing the limit: growth is allowed again.
     assert run_main(capsys, "limit", tenants.pool, "engine-a", "none")[:2] == (0, "applied\n")
-    assert wait_for(lambda: tenant_info(tenants.pool, "engine-a").limit_bytes is None)
+    wait_until(lambda: tenant_info(tenants.pool, "engine-a").limit_bytes is None,
+               "engine-a's limit is cleared", interval=0.02)
     assert a.send(f"alloc {3 * PER_PAGE}") == ["alloc", "ok"]
 
 

@@ -290,19 +290,15 @@ def test_every_driver_failure_is_a_value_and_rolls_back(
     space.free(again)
 
 
-def test_out_of_memory_returns_the_pool_claim(fake: ctypes.CDLL) -> None:
-    name = f"test-cuda-{os.getpid()}"
-    pool = Pool(name, capacity=16 * PAGE_COMMIT)
-    try:
-        with KVSpace(G, device="cuda", pool=pool, name="gpu", reserve_thread=False, reserve=(0, 0)) as s:
-            fake.fake_cuda_fail(b"cuMemCreate", 1, OOM)
-            with pytest.raises(PoolExhausted):
-                s.alloc(8)
-            assert pool.committed == 0  # the claim came back
+def test_out_of_memory_returns_the_pool_claim(fake: ctypes.CDLL, pool_name: str) -> None:
+    pool = Pool(pool_name, capacity=16 * PAGE_COMMIT)
+    with KVSpace(G, device="cuda", pool=pool, name="gpu", reserve_thread=False, reserve=(0, 0)) as s:
+        fake.fake_cuda_fail(b"cuMemCreate", 1, OOM)
+        with pytest.raises(PoolExhausted):
             s.alloc(8)
-            assert pool.committed == 2 * PAGE_COMMIT == driver_bytes(fake)
-    finally:
-        Pool.remove(name)
+        assert pool.committed == 0  # the claim came back
+        s.alloc(8)
+        assert pool.committed == 2 * PAGE_COMMIT == driver_bytes(fake)
 
 
 def test_a_zero_page_that_cannot_be_mapped_back_leaves_a_hole_the_next_commit_fills(
@@ -394,15 +390,15 @@ def test_unknown_device_strings_are_rejected() -> None:
             KVSpace(G, device=bad)
 
 
-def test_a_pool_created_for_a_cuda_space_defaults_to_the_device_free_memory(fake: ctypes.CDLL) -> None:
-    name = f"test-cuda-cap-{os.getpid()}"
+def test_a_pool_created_for_a_cuda_space_defaults_to_the_device_free_memory(
+    fake: ctypes.CDLL, pool_name: str,
+) -> None:
     os.environ["FAKE_CUDA_TOTAL"] = str(512 * 1024 * 1024)
     try:
-        with KVSpace(G, device="cuda:0", pool=name, name="gpu", reserve_thread=False) as s:
+        with KVSpace(G, device="cuda:0", pool=pool_name, name="gpu", reserve_thread=False) as s:
             assert s.pool is not None and s.pool.capacity == 256 * 1024 * 1024  # half of the free bytes
     finally:
         os.environ.pop("FAKE_CUDA_TOTAL")
-        Pool.remove(name)
 
 
 def test_a_cuda_space_is_one_flat_memory_but_cannot_be_mapped_elsewhere(space: KVSpace) -> None:
@@ -434,33 +430,29 @@ def test_a_failed_unmap_in_release_maps_the_done_regions_back(space: KVSpace, fa
 
 
 def test_a_random_run_with_the_reserve_thread_and_a_pool_keeps_books_and_driver_in_step(
-    fake: ctypes.CDLL,
+    fake: ctypes.CDLL, pool_name: str,
 ) -> None:
-    name = f"test-cuda-run-{os.getpid()}"
-    pool = Pool(name, capacity=10 * PAGE_COMMIT)
+    pool = Pool(pool_name, capacity=10 * PAGE_COMMIT)
     rng = random.Random(15)
-    try:
-        with KVSpace(G, device="cuda:0", pool=pool, name="run", reserve_thread=True, reserve=(1, 3)) as s:
-            held: list[list[int]] = []
-            for step in range(300):
-                if held and (rng.random() < 0.45 or len(held) > 12):
-                    s.free(held.pop(rng.randrange(len(held))))
-                else:
-                    try:
-                        held.append(s.alloc(rng.randint(1, 9)).tolist())
-                    except PoolExhausted:
-                        pass
-                if step % 50 == 0:
-                    assert s.settle(30.0)
-                    assert s.allocated_bytes() == driver_bytes(fake) == s.stats().committed_bytes == pool.committed
-            for ids in held:
-                s.free(ids)
-            assert s.settle(30.0)
-            assert s.stats().used_blocks == 0
-            assert driver_bytes(fake) == s.stats().committed_bytes == pool.committed  # the idle reserve
-        assert driver_bytes(fake) == 0 == pool.committed
-    finally:
-        Pool.remove(name)
+    with KVSpace(G, device="cuda:0", pool=pool, name="run", reserve_thread=True, reserve=(1, 3)) as s:
+        held: list[list[int]] = []
+        for step in range(300):
+            if held and (rng.random() < 0.45 or len(held) > 12):
+                s.free(held.pop(rng.randrange(len(held))))
+            else:
+                try:
+                    held.append(s.alloc(rng.randint(1, 9)).tolist())
+                except PoolExhausted:
+                    pass
+            if step % 50 == 0:
+                assert s.settle(30.0)
+                assert s.allocated_bytes() == driver_bytes(fake) == s.stats().committed_bytes == pool.committed
+        for ids in held:
+            s.free(ids)
+        assert s.settle(30.0)
+        assert s.stats().used_blocks == 0
+        assert driver_bytes(fake) == s.stats().committed_bytes == pool.committed  # the idle reserve
+    assert driver_bytes(fake) == 0 == pool.committed
 
 
 def test_a_forked_child_abandons_its_copy_without_calling_the_driver(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from typing import Any
 
 import pytest
@@ -16,12 +15,15 @@ from kvpool._demo_traces import Request
 from kvpool._demo_virtual import compare
 from kvpool.demo import COMPUTE_BOUND_BURST, PAGE_BYTES, Engine, options
 
+from ._helpers import until
+
 
 def _request(rid: str, engine: int, arrival: float, prompt: int, new: int) -> Request:
     return Request(rid, engine, arrival, prompt, new, token_seed=sum(map(ord, rid)))
 
 
-def test_a_lending_engine_preempts_and_recomputes_to_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_lending_engine_preempts_and_recomputes_to_the_same_tokens(
+        monkeypatch: pytest.MonkeyPatch, pool_name: str) -> None:
     # Four pages of eight blocks, two tenants: a guarantee of two pages each.
     # Engine 0 fills all four with five requests of six blocks; engine 1's
     # one request arrives once they all run and waits below its guarantee,
@@ -34,38 +36,32 @@ def test_a_lending_engine_preempts_and_recomputes_to_the_same_tokens(monkeypatch
 
     monkeypatch.setattr(_demo_sched, "RECLAIM_STEPS", 0)
     torch.set_num_threads(1)
-    name = f"demo-preempt-{uuid.uuid4().hex[:8]}"
     per_block = BLOCK_BYTES * LAYERS * 2
-    Pool(name, capacity=32 * per_block)
+    Pool(pool_name, capacity=32 * per_block)
     g = Geometry(LAYERS, 2, BLOCK_BYTES, 64, page_bytes=PAGE_BYTES)
     model = TinyDecoder(3)
     first = [_request(f"a{i}", 0, 0.0, 40, 56) for i in range(5)]  # (40 + 56) / 16 = 6 blocks
     late = [_request("b0", 1, 0.0, 40, 8)]
 
     async def main() -> list[Engine]:
-        engines = [Engine(e, KVCacheManager(g, pool=name, name=f"engine-{e}", reserve=(0, 0)), model)
+        engines = [Engine(e, KVCacheManager(g, pool=pool_name, name=f"engine-{e}", reserve=(0, 0)), model)
                    for e in range(2)]
         for eng in engines:
             eng.peers = [p for p in engines if p is not eng]
         a, b = engines
 
         async def later() -> None:  # once engine 0 holds the pool, whatever this machine's speed
-            while len(a.running) < len(first):
-                await asyncio.sleep(0.001)
+            await until(lambda: len(a.running) >= len(first), "engine 0 runs all its requests")
             await b.run(late, b.clock.now())
 
-        try:
-            await asyncio.wait_for(asyncio.gather(a.run(first, a.clock.now()), later()), 120)
+        try:  # a hang ends in the test's timeout
+            await asyncio.gather(a.run(first, a.clock.now()), later())
         finally:
             for eng in engines:
                 await eng.m.aclose()
         return engines
 
-    try:
-        engines = asyncio.run(main())
-    finally:
-        Pool.remove(name)
-    a, b = engines
+    a, b = asyncio.run(main())
     assert a.preemptions >= 1 and b.preemptions == 0
     assert a.recomputed_tokens > 0
     assert sum(r.preemptions for r in first) == a.preemptions

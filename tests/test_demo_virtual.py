@@ -13,7 +13,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import uuid
 from typing import Any
 
 import pytest
@@ -24,23 +23,23 @@ from kvpool._demo_traces import SHAPES
 from kvpool._demo_virtual import compare
 from kvpool.demo import COMPUTE_BOUND_BURST, DEFAULT_BURST, options
 
+from ._helpers import until
+
 
 def _virtual(*argv: str) -> dict[str, dict[str, Any]]:
     return run_virtual(compare(options(["--clock", "virtual", *argv])))
 
 
-def test_poll_hands_another_tenants_free_to_a_waiter_at_once() -> None:
+def test_poll_hands_another_tenants_free_to_a_waiter_at_once(pool_name: str) -> None:
     # What the virtual demo relies on: no grant waits for the eventfd wake-up.
-    name = f"demo-poll-{uuid.uuid4().hex[:8]}"
-    Pool(name, capacity=4 * 4096)
+    Pool(pool_name, capacity=4 * 4096)
     g = Geometry(1, 1, 512, 64, page_bytes=4096)
 
     async def main() -> None:
-        a, b = (KVCacheManager(g, pool=name, name=n, reserve=(0, 0), reserve_thread=False) for n in "ab")
+        a, b = (KVCacheManager(g, pool=pool_name, name=n, reserve=(0, 0), reserve_thread=False) for n in "ab")
         held = a.alloc_nowait(32)  # the whole pool
         task = asyncio.create_task(b.alloc(8))
-        while b.waiting == 0:
-            await asyncio.sleep(0)
+        await until(lambda: b.waiting != 0, "b's alloc queues", interval=0)
         a.free(held)
         b.poll()
         assert b.waiting == 0  # granted inside poll(), before any await
@@ -48,10 +47,7 @@ def test_poll_hands_another_tenants_free_to_a_waiter_at_once() -> None:
         await a.aclose()
         await b.aclose()
 
-    try:
-        asyncio.run(main())
-    finally:
-        Pool.remove(name)
+    asyncio.run(main())
 
 
 def test_the_virtual_clock_jumps_to_each_timer_in_program_order() -> None:

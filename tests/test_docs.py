@@ -150,15 +150,11 @@ def skip_if_marked(b: Block) -> None:
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("b", all_blocks("python"), ids=ids(all_blocks("python")))
-def test_python_example_runs(b: Block, tmp_path: Path) -> None:
+def test_python_example_runs(b: Block, pool_name: str, tmp_path: Path) -> None:
     skip_if_marked(b)
-    pool = f"test-docs-{uuid.uuid4().hex[:8]}"
     python = os.environ["KVPOOL_VLLM_PYTHON"] if b.marker == "needs vllm" else sys.executable
-    try:
-        r = subprocess.run([python, "-c", b.code], cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                           env={**os.environ, "KVPOOL_POOL": pool})
-    finally:
-        Pool.remove(pool)
+    r = subprocess.run([python, "-c", b.code], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "KVPOOL_POOL": pool_name})
     assert r.returncode == 0, f"{b.where} failed:\n{r.stderr}"
 
 

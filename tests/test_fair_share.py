@@ -9,8 +9,7 @@ from __future__ import annotations
 import pathlib
 import subprocess
 import sys
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
@@ -31,6 +30,7 @@ from kvpool import (
 from kvpool._sizes import format_size_exact
 
 from . import _fair_child as child
+from ._helpers import until
 from .conftest import KiB
 
 G = child.GEOMETRY            # 4 blocks a page, 32 KiB per page commit
@@ -47,20 +47,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture
-def pool_name() -> Iterator[str]:
-    name = f"test-fair-{uuid.uuid4().hex[:10]}"
-    yield name
-    Pool.remove(name)
-
-
-async def until(cond: Callable[[], bool], what: str) -> None:
-    """Wait for an event another process (or a native thread) reaches at its own pace."""
-    # No deadline of ours: a hang ends in the test's timeout. `what` names the event.
-    while not cond():
-        await anyio.sleep(0.0005)
 
 
 @asynccontextmanager

@@ -14,26 +14,18 @@ here depends on timing: each check is one call's answer.
 from __future__ import annotations
 
 import pathlib
-import uuid
-from collections.abc import Iterator
 
 import pytest
 
 from kvpool import KVCacheManager, KVSpace, Pool, PoolClosed, PoolExhausted
 
 from . import _fair_child as child
-from .test_fair_share import BPP, POOL_BLOCKS, POOL_PAGES, churning_tenant, step, until
+from ._helpers import until
+from .test_fair_share import BPP, POOL_BLOCKS, POOL_PAGES, churning_tenant, step
 
 G = child.GEOMETRY  # 4 blocks a page
 PCB = G.page_commit_bytes
 CAP = POOL_PAGES * PCB
-
-
-@pytest.fixture
-def pool_name() -> Iterator[str]:
-    name = f"test-headroom-{uuid.uuid4().hex[:10]}"
-    yield name
-    Pool.remove(name)
 
 
 def space(pool: Pool, name: str, **kw: object) -> KVSpace:

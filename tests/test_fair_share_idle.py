@@ -12,7 +12,7 @@ import pytest
 
 from kvpool import KVSpace, Pool, PoolExhausted
 
-from .test_fair_share import BPP, G, PCB, POOL_PAGES, _space, pool_name  # noqa: F401 - pool_name: a fixture
+from .test_fair_share import BPP, G, PCB, POOL_PAGES, _space
 
 
 def test_a_tenant_whose_own_lowered_guarantee_makes_it_lend_gives_its_idle_pages_back_at_once(

@@ -24,9 +24,8 @@ import pytest
 
 from kvpool import Pool
 
-from ._hostile import PCB, pool_name_fixture
+from ._hostile import PCB
 
-pool_name = pytest.fixture(name="pool_name")(pool_name_fixture)
 SCRIPT = pathlib.Path(__file__).with_name("_fork_child.py")
 
 

@@ -31,11 +31,10 @@ import pytest
 from kvpool import KVPoolError, KVSpace, LedgerError, Pool, PoolExhausted
 
 from . import _ledger_layout as L
-from ._hostile import BLOCKS_PER_PAGE, G, PCB, Child, bounded, children, pool_name_fixture, proc_state, wait_for
+from ._helpers import wait_until
+from ._hostile import BLOCKS_PER_PAGE, G, PCB, Child, bounded, children, proc_state
 
 __all__ = ["children"]  # the fixture, imported for the tests below
-
-pool_name = pytest.fixture(name="pool_name")(pool_name_fixture)
 
 
 def space(pool: Pool, name: str, **kw: object) -> KVSpace:
@@ -54,8 +53,8 @@ def page_rounds(me: KVSpace, n: int) -> int:
 
 
 def wait_stopped(child: Child) -> None:
-    wait_for(lambda: proc_state(child.pid) == "T" or child.proc.poll() is not None,
-             f"child {child.pid} stops itself")
+    wait_until(lambda: proc_state(child.pid) == "T" or child.proc.poll() is not None,
+               f"child {child.pid} stops itself")
     assert proc_state(child.pid) == "T", f"child {child.pid} exited ({child.proc.poll()}) instead of stopping"
 
 
@@ -86,7 +85,7 @@ def test_a_tenant_stopped_inside_a_claim_blocks_no_other_tenant(
     names = bounded(lambda: sorted(t.name for t in pool.tenants()), "Pool.tenants()")
     assert names == ["me", "stopper"]  # stopped is alive: not reaped
     assert bounded(lambda: pool.set_limit("me", 12 * PCB), "Pool.set_limit") == "applied"
-    wait_for(lambda: me.limit_setting()[0] == 12 * PCB, "the owner sees its new limit")
+    wait_until(lambda: me.limit_setting()[0] == 12 * PCB, "the owner sees its new limit")
     newcomer = bounded(lambda: space(pool, "newcomer"), "a new tenant joining")
     assert bounded(lambda: page_rounds(newcomer, 5), "the newcomer's alloc/free rounds") == 5
     newcomer.close()
@@ -140,10 +139,10 @@ def test_a_churning_tenant_stopped_at_any_moment_blocks_no_other_tenant(
     stops = 0
     for r in range(20):
         target = ops() + rng.randint(1, 40)
-        wait_for(lambda: ops() >= target or churner.proc.poll() is not None, f"the churner does op {target}")
+        wait_until(lambda: ops() >= target or churner.proc.poll() is not None, f"the churner does op {target}")
         assert churner.proc.poll() is None, churner.proc.stderr.read() if churner.proc.stderr else ""
         os.kill(churner.pid, signal.SIGSTOP)
-        wait_for(lambda: proc_state(churner.pid) == "T", "the churner stops")
+        wait_until(lambda: proc_state(churner.pid) == "T", "the churner stops")
         stops += 1
         done = bounded(lambda: page_rounds(me, 10), f"the parent's 10 alloc/free rounds in stop {r}")
         assert done == 10
@@ -233,7 +232,7 @@ def test_a_tenant_of_another_pid_namespace_that_dies_is_reaped_and_one_stopped_i
     if how == "SIGSTOP":
         for pid in [inside.proc.pid, *_descendants(inside.proc.pid)]:  # unshare and the container's processes
             os.kill(pid, signal.SIGSTOP)
-        wait_for(lambda: all(proc_state(pid) == "T" for pid in _descendants(inside.proc.pid)), "all stopped")
+        wait_until(lambda: all(proc_state(pid) == "T" for pid in _descendants(inside.proc.pid)), "all stopped")
         try:
             assert pool.reap() == 0  # stopped is not dead: its memory is still held
             with pytest.raises(PoolExhausted):
@@ -251,7 +250,7 @@ def test_a_tenant_of_another_pid_namespace_that_dies_is_reaped_and_one_stopped_i
         pool.reap()  # what the next process to look does; the lock goes once the process has exited
         return "container" not in {t.name for t in pool.tenants()}
 
-    wait_for(reaped, "the container's tenant is reaped")
+    wait_until(reaped, "the container's tenant is reaped")
     assert [t.name for t in pool.tenants()] == ["host"] and pool.committed == 0
     ids = host.alloc(pages * BLOCKS_PER_PAGE)  # the whole pool: nobody alive holds any of it
     host.free(ids)
@@ -374,7 +373,7 @@ def test_a_settings_seqlock_left_odd_fails_writers_quickly_and_the_owner_keeps_a
     # The slot stays the owner's; once the sequence is even again, writers get in.
     L.write_at(pool_name, L.slot_offset(slot) + L.SEQ_OFFSET, struct.pack("<Q", seq + 2))
     assert operator.set_limit("owner", 8 * PCB) == "applied"
-    wait_for(lambda: owner.limit_setting() == (8 * PCB, 1), "the owner sees the limit")
+    wait_until(lambda: owner.limit_setting() == (8 * PCB, 1), "the owner sees the limit")
     owner.close()
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from kvpool import Geometry, KVCacheManager, PoolClosed, PoolExhausted
 
+from ._helpers import until
 from .conftest import KiB
 
 pytestmark = pytest.mark.anyio
@@ -166,9 +167,7 @@ async def test_cancel_before_grant_removes_the_waiter_and_unblocks_those_behind(
         await let_tasks_park()
         assert got == []
         big_scope.cancel()  # the head leaves: the waiter behind it fits now
-        with anyio.fail_after(60):  # a hang guard only
-            while not got:
-                await anyio.lowlevel.checkpoint()
+        await until(lambda: bool(got), "the waiter behind the cancelled head is granted", interval=0)
     assert sorted(got) == sorted(held[:2].tolist())
     assert manager.waiting == 0
 
@@ -251,9 +250,7 @@ async def test_the_eventfd_watcher_role_survives_a_granted_heir() -> None:
             m.free(held[1:2])  # ... which is granted before it ran
             await let_tasks_park()
             m.space.set_limit(None)  # capacity only the eventfd reports
-            with anyio.fail_after(60):  # a hang guard only
-                while len(got) < 6:
-                    await anyio.sleep(0.001)
+            await until(lambda: len(got) >= 6, "the eventfd's capacity reaches all three waiters")
         assert m.waiting == 0
 
 
@@ -272,9 +269,7 @@ async def test_wakeups_from_native_capacity_reach_waiters_through_the_eventfd() 
             # An outside actor (as the pool ledger will be) raises the limit
             # natively: only the eventfd tells the manager.
             m.space.set_limit(None)
-            with anyio.fail_after(60):  # a hang guard only
-                while not got:
-                    await anyio.sleep(0.001)
+            await until(lambda: bool(got), "the eventfd's capacity reaches the waiter")
         assert len(got) == 4
 
 

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -52,11 +51,10 @@ def tenant_key(name: str, pool: str, tenant: str) -> tuple[str, tuple[tuple[str,
 
 
 @pytest.fixture
-def pool_name() -> Iterator[str]:
-    name = f"test-metrics-{uuid.uuid4().hex[:8]}"
-    Pool(name, capacity=CAPACITY)
-    yield name
-    Pool.remove(name)
+def pool_name(pool_name: str) -> str:
+    """conftest.py's private pool name, its pool made here (the exporter reads a pool that exists)."""
+    Pool(pool_name, capacity=CAPACITY)
+    return pool_name
 
 
 def test_exposition_matches_the_ledger(pool_name: str, make_space: Callable[..., KVSpace]) -> None:

@@ -17,8 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +24,7 @@ import pytest
 
 from kvpool import BackendError, Geometry, KVSpace, LedgerError, Pool, PoolExhausted, RankHandle, RankMemory
 
+from ._helpers import wait_until
 from .conftest import KiB
 
 G = Geometry(2, 2, 4 * KiB, 64, page_bytes=16 * KiB)  # 4 regions, 16 pages, 4 blocks a page
@@ -76,13 +75,6 @@ def rank_device(device: str, rank: int) -> str:
 
 
 @pytest.fixture
-def pool_name() -> Iterator[str]:
-    name = f"test-mirror-{uuid.uuid4().hex[:10]}"
-    yield name
-    Pool.remove(name)
-
-
-@pytest.fixture
 def ranks() -> Iterator[list[Rank]]:
     started: list[Rank] = []
     yield started
@@ -100,16 +92,17 @@ def start(ranks: list[Rank], space: KVSpace, device: str, **env: str) -> list[Ra
 
 def stop_process(pid: int) -> None:
     """SIGSTOP ``pid`` and wait until every thread of it is stopped (kill()
-    returns before the stop lands); the test's timeout is the only deadline."""
+    returns before the stop lands)."""
     os.kill(pid, signal.SIGSTOP)
-    while True:
+
+    def stopped() -> bool:
         states = []
         for tid in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 states.append(f.read().rpartition(")")[2].split()[0])
-        if all(s in ("T", "t") for s in states):
-            return
-        time.sleep(0.01)  # polls the state: no amount of progress is assumed
+        return all(s in ("T", "t") for s in states)
+
+    wait_until(stopped, f"every thread of rank process {pid} is stopped", interval=0.01)
 
 
 def mirrored(device: str, **kw: Any) -> KVSpace:

@@ -14,9 +14,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import time
-import uuid
-from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -25,18 +22,12 @@ from kvpool import BackendError, Geometry, KVSpace, LedgerError, Pool, PoolExhau
 
 from kvpool import MiB
 
+from ._helpers import until, wait_until
 from .conftest import KiB
 
 G = Geometry(1, 2, 4 * KiB, 256, page_bytes=16 * KiB)  # 4 blocks a page, 32 KiB per page commit
 PCB = G.page_commit_bytes
 CHILD = pathlib.Path(__file__).with_name("_pool_child.py")
-
-
-@pytest.fixture
-def pool_name() -> Iterator[str]:
-    name = f"test-{uuid.uuid4().hex[:10]}"
-    yield name
-    Pool.remove(name)
 
 
 def memfd_bytes(pid: int) -> int:
@@ -58,14 +49,6 @@ def stop(p: subprocess.Popen[str]) -> None:
     for pipe in (p.stdin, p.stdout, p.stderr):
         if pipe is not None:
             pipe.close()
-
-
-def wait_for(cond: Callable[[], bool], what: str | Callable[[], str]) -> None:
-    """Wait for an event another process reaches at its own pace; a hang ends in
-    the test's timeout (pytest-timeout), never in a deadline of ours. ``what``
-    documents the event at the call site."""
-    while not cond():
-        time.sleep(0.005)
 
 
 # ------------------------------------------------------------------ security
@@ -242,7 +225,7 @@ def test_a_pool_limit_set_by_an_operator_is_applied_natively(pool_name: str) -> 
         s.free(ids[:8])    # 2 idle reserve pages kept (max 4)
         assert pool.set_limit("eng", 3 * PCB) == "applied"
         # The tenant's pool watcher gives the idle page above the limit back.
-        wait_for(lambda: s.allocated_bytes() <= 3 * PCB, "the idle page above the limit goes back")
+        wait_until(lambda: s.allocated_bytes() <= 3 * PCB, "the idle page above the limit goes back")
         assert s.allocated_bytes() == 3 * PCB
         assert s.available() == 4  # 2 full pages + 1 idle page within the limit
         with pytest.raises(PoolExhausted):
@@ -334,7 +317,7 @@ def test_four_processes_with_kills_keep_the_ledger_exact(pool_name: str, tmp_pat
         # the flag before its first operation; starting children commit nothing.
         ctl[0] = 1
         promote_ready()
-        wait_for(lambda: all(ctl[1 + i] == 1 for i in procs), "every tenant pauses")
+        wait_until(lambda: all(ctl[1 + i] == 1 for i in procs), "every tenant pauses")
         assert pool.reap() == 0  # nothing died while paused
         everyone = [*procs.values(), *pending.values()]
         # Paused tenants do no alloc/free, but one tenant's settling release
@@ -347,7 +330,7 @@ def test_four_processes_with_kills_keep_the_ledger_exact(pool_name: str, tmp_pat
             books.append((committed, real))
             return committed == real and pool.committed == committed
 
-        wait_for(quiet, lambda: f"the ledger matches real memory (last committed, real: {books[-1]})")
+        wait_until(quiet, lambda: f"the ledger matches real memory (last committed, real: {books[-1]})")
         assert pool.committed <= capacity
         tenants = {t.pid for t in pool.tenants()}
         assert {p.pid for p in procs.values()} <= tenants <= {p.pid for p in everyone}
@@ -356,17 +339,18 @@ def test_four_processes_with_kills_keep_the_ledger_exact(pool_name: str, tmp_pat
     try:
         for i in range(4):
             start(i)
-        wait_for(promote_ready, "4 tenants start")
+        wait_until(promote_ready, "4 tenants start")
         samples = 0
         for kill in range(kills_wanted):
             # At most one tenant is still starting (the last one killed): kills
             # overlap a join, and the count of kills does not outrun restarts.
-            wait_for(lambda: (promote_ready(), len(procs) >= 3)[1], f"a restarted tenant starts before kill {kill}")
+            wait_until(lambda: (promote_ready(), len(procs) >= 3)[1], f"a restarted tenant starts before kill {kill}")
             # Survivors keep going while others die: every tenant alive at the
             # previous kill does operations since (a stalled one fails here).
             since = op_counts()
-            wait_for(lambda: all(n >= since[pid] + ops_between_kills for pid, n in op_counts().items() if pid in since),
-                     f"every live tenant does {ops_between_kills} operations after kill {kill}")
+            wait_until(lambda: all(n >= since[pid] + ops_between_kills
+                                   for pid, n in op_counts().items() if pid in since),
+                       f"every live tenant does {ops_between_kills} operations after kill {kill}")
             sample()
             victim = sorted(procs)[kill % len(procs)]
             procs[victim].send_signal(signal.SIGKILL)
@@ -413,9 +397,7 @@ async def test_a_waiter_is_granted_when_another_process_frees(
                 p.stdin.flush()
                 # No Python call in this process: the release reaches us through
                 # the ledger futex -> native watcher -> eventfd -> event loop.
-                with anyio.fail_after(240):  # a hang guard only: the wake-up is an event
-                    while not got:
-                        await anyio.sleep(0.001)
+                await until(lambda: bool(got), "the other process's free wakes the waiter")
             assert len(got) == 16
     finally:
         stop(p)
@@ -432,7 +414,7 @@ def test_a_killed_tenant_not_yet_waited_for_is_reaped(pool_name: str, tmp_path: 
             with open(f"/proc/{p.pid}/stat") as f:
                 return f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
-        wait_for(zombie, "the killed tenant becomes a zombie")
+        wait_until(zombie, "the killed tenant becomes a zombie")
         assert pool.tenants() == [] and pool.committed == 0
     finally:
         stop(p)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import uuid
-from collections.abc import Iterator
 
 import pytest
 
@@ -21,13 +19,6 @@ import kvpool.pool as pool_mod
 from kvpool import LedgerError, Pool
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def pool_name() -> Iterator[str]:
-    name = f"test-cap-{uuid.uuid4().hex[:10]}"
-    yield name
-    Pool.remove(name)
 
 
 def meminfo(key: str) -> int:

@@ -39,8 +39,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -48,6 +47,7 @@ import pytest
 from kvpool import Pool, list_pools
 from kvpool.pool import backing_memory
 
+from ._helpers import wait_until
 from ._vllm_engines import wait_listening
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -70,13 +70,6 @@ def blocks() -> list[tuple[str | None, str]]:
 def kvpool_reads(var: str) -> bool:
     """Whether kvpool's sources (the package and the adapters) read ``var``."""
     return any(var in p.read_text() for d in ("kvpool", "adapters") for p in (ROOT / d).rglob("*.py"))
-
-
-@pytest.fixture
-def pool() -> Iterator[str]:
-    name = f"test-recipe-{uuid.uuid4().hex[:8]}"
-    yield name
-    Pool.remove(name)
 
 
 def free_port() -> int:
@@ -224,8 +217,7 @@ class Recipe:
             # this one (--gc) need the pool empty, as a service manager that
             # waits for the whole unit leaves it.
             pool = Pool(self.pool, create=False)
-            while pool.tenants():
-                threading.Event().wait(0.05)
+            wait_until(lambda: not pool.tenants(), "the servers' engine-core processes leave the pool", interval=0.05)
 
     # -- the run
 
@@ -318,16 +310,16 @@ def skip_unless_8_gib() -> None:
 
 
 @pytest.mark.timeout(600)
-def test_the_recipe_runs_as_written_on_a_private_pool(pool: str, tmp_path: pathlib.Path) -> None:
+def test_the_recipe_runs_as_written_on_a_private_pool(pool_name: str, tmp_path: pathlib.Path) -> None:
     skip_unless_8_gib()
-    rows = check_operator_outputs(pool, Recipe(pool, tmp_path, sys.executable).run())
+    rows = check_operator_outputs(pool_name, Recipe(pool_name, tmp_path, sys.executable).run())
     # the stand-ins' pages (2 MiB over two layers), as the ledger counts them
     assert rows["chat"]["committed_bytes"] == 3 * 4 * 2**20 and rows["code"]["committed_bytes"] == 4 * 2**20
 
 
 @pytest.mark.vllm
 @pytest.mark.timeout(1200)
-def test_the_recipe_runs_with_two_real_vllm_servers(pool: str, tmp_path: pathlib.Path) -> None:
+def test_the_recipe_runs_with_two_real_vllm_servers(pool_name: str, tmp_path: pathlib.Path) -> None:
     """The whole recipe, its vLLM block included: two OpenAI servers (tiny
     local models under the recipe's model names) with the plugin on the pool;
     each answers a completion before the operator blocks run."""
@@ -346,20 +338,20 @@ def test_the_recipe_runs_with_two_real_vllm_servers(pool: str, tmp_path: pathlib
         subprocess.run([vllm_python, str(TINY), str(out), "4096"], check=True, cwd=tmp_path, capture_output=True,
                        timeout=300)
         models[f"--model {name} "] = f"--model {out} "
-    recipe = Recipe(pool, tmp_path, vllm_python, models)
+    recipe = Recipe(pool_name, tmp_path, vllm_python, models)
     served: dict[str, dict[str, Any]] = {}
 
     def traffic() -> None:  # what the servers are for: one completion each, so each commits KV pages
         for tenant, model in (("chat", tmp_path / "model-0"), ("code", tmp_path / "model-1")):
             served[tenant] = recipe.complete(tenant, str(model))
-        seen = {t.name: t for t in Pool(pool, create=False).tenants()}
+        seen = {t.name: t for t in Pool(pool_name, create=False).tenants()}
         assert set(seen) == {"chat", "code"}
         assert all(t.allocs > 0 and t.committed_bytes > 0 for t in seen.values()), seen
 
-    rows = check_operator_outputs(pool, recipe.run(traffic))
+    rows = check_operator_outputs(pool_name, recipe.run(traffic))
     assert all(out["usage"]["completion_tokens"] == 16 for out in served.values()), served
     # Each server says the plugin is on, for its pool and tenant, at vLLM's default log level.
     log = recipe.server_log()
     for tenant in ("chat", "code"):
-        assert re.search(rf"kvpool is on: pool '{re.escape(pool)}' .*tenant '{tenant}'", log), log[-8000:]
+        assert re.search(rf"kvpool is on: pool '{re.escape(pool_name)}' .*tenant '{tenant}'", log), log[-8000:]
         assert 0 < rows[tenant]["committed_bytes"] <= (rows[tenant]["limit_bytes"] or 8 * GiB)

@@ -10,8 +10,6 @@ here reads a clock.
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,15 +21,10 @@ from kvpool import _demo_sched
 from kvpool._demo_sched import Running, Scheduler
 from kvpool._demo_traces import Request
 
+from ._helpers import until
+
 PAGE = 4096  # one region: a page commit is one page, 8 blocks of 512 bytes
 GEOMETRY = Geometry(1, 1, 512, 256, page_bytes=PAGE)
-
-
-@pytest.fixture
-def pool_name() -> Iterator[str]:
-    name = f"reclaim-{uuid.uuid4().hex[:8]}"
-    yield name
-    Pool.remove(name)
 
 
 def _manager(pool: str, name: str) -> KVCacheManager:
@@ -40,8 +33,7 @@ def _manager(pool: str, name: str) -> KVCacheManager:
 
 async def _wait_queued(m: KVCacheManager, alloc: Any) -> asyncio.Task[Any]:
     task: asyncio.Task[Any] = asyncio.ensure_future(alloc)
-    while m.waiting == 0:
-        await asyncio.sleep(0)
+    await until(lambda: m.waiting != 0, "the alloc queues", interval=0)
     return task
 
 

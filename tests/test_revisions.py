@@ -19,9 +19,8 @@ import pytest
 
 from kvpool import KVSpace, Pool
 
-from ._hostile import PCB, G, pool_name_fixture, wait_for
-
-pool_name = pytest.fixture(name="pool_name")(pool_name_fixture)
+from ._helpers import wait_until
+from ._hostile import PCB, G
 
 TOO_BIG = [pytest.param(2**53 + 1, id="2**53+1"), pytest.param(2**63 - 1, id="INT64_MAX"),
            pytest.param(2**64, id="2**64")]
@@ -57,12 +56,12 @@ def test_a_revision_beyond_2_53_is_refused_and_later_changes_still_apply(
     # The next change, from the pool and from the tenant itself, applies.
     assert set_("t", 4 * PCB) == "applied"
     if setting == "limit":
-        wait_for(lambda: s.limit_setting() == (4 * PCB, 6), "the tenant sees revision 6")
+        wait_until(lambda: s.limit_setting() == (4 * PCB, 6), "the tenant sees revision 6")
         s.set_limit(None)
         assert s.limit_setting() == (None, 7)
         assert pool.tenants()[0].limit_bytes is None
     else:
-        wait_for(lambda: s.budget().guarantee_revision == 6, "the tenant sees revision 6")
+        wait_until(lambda: s.budget().guarantee_revision == 6, "the tenant sees revision 6")
         s.set_guarantee(None)
         assert (s.budget().guarantee_setting, s.budget().guarantee_revision) == (None, 7)
 
@@ -97,7 +96,7 @@ def test_the_last_revision_is_accepted_and_a_next_one_is_a_loud_error(tenant: tu
     # change then raises (it must not be answered stale, nor do nothing).
     pool, s = tenant
     assert pool.set_limit("t", 2 * PCB, revision=2**53) == "applied"
-    wait_for(lambda: s.limit_setting() == (2 * PCB, 2**53), "the tenant sees the last revision")
+    wait_until(lambda: s.limit_setting() == (2 * PCB, 2**53), "the tenant sees the last revision")
     with pytest.raises(ValueError, match="revision"):
         pool.set_limit("t", 3 * PCB)
     with pytest.raises(ValueError, match="revision"):

@@ -11,7 +11,6 @@ import pathlib
 import subprocess
 import sys
 import textwrap
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -23,12 +22,10 @@ G = Geometry(2, 1, 4096, 64, page_bytes=16384)
 
 
 @pytest.fixture
-def space() -> Iterator[KVSpace]:
-    name = f"test-shm-{uuid.uuid4().hex[:8]}"
-    s = KVSpace(G, pool=Pool(name, capacity=1 << 24), reserve_thread=False, reserve=(0, 0))
+def space(pool_name: str) -> Iterator[KVSpace]:
+    s = KVSpace(G, pool=Pool(pool_name, capacity=1 << 24), reserve_thread=False, reserve=(0, 0))
     yield s
     s.close()
-    Pool.remove(name)
 
 
 def test_memory_is_every_region_back_to_back(space: KVSpace) -> None:

@@ -26,11 +26,10 @@ import pytest
 from kvpool import KVCacheManager, KVSpace, LedgerError, Pool
 
 from . import _ledger_layout as L
-from ._hostile import G, Child, children, pool_name_fixture, wait_for
+from ._helpers import wait_until
+from ._hostile import G, Child, children
 
 __all__ = ["children"]
-
-pool_name = pytest.fixture(name="pool_name")(pool_name_fixture)
 
 BAD_NAMES = [
     pytest.param("a" * 65, id="65-bytes"),
@@ -73,7 +72,7 @@ def test_a_64_byte_name_is_kept_whole_and_addressable(pool_name: str) -> None:
     with KVSpace(G, pool=pool, name=name, reserve_thread=False, reserve=(0, 0)) as s:
         assert [t.name for t in pool.tenants()] == [name]
         assert pool.set_limit(name, 4 * G.page_commit_bytes) == "applied"
-        wait_for(lambda: s.limit_setting()[0] == 4 * G.page_commit_bytes, "the tenant sees its limit")
+        wait_until(lambda: s.limit_setting()[0] == 4 * G.page_commit_bytes, "the tenant sees its limit")
         # One byte less is another tenant, not a duplicate; the same 64 bytes are.
         with KVSpace(G, pool=pool, name=name[:63], reserve_thread=False, reserve=(0, 0)):
             with pytest.raises(LedgerError, match="already has a live tenant"):

@@ -10,8 +10,6 @@ woke every tenant.
 from __future__ import annotations
 
 import select
-import uuid
-from collections.abc import Iterator
 
 import pytest
 
@@ -22,10 +20,8 @@ PCB = G.page_commit_bytes
 
 
 @pytest.fixture
-def pool() -> Iterator[Pool]:
-    name = f"test-wake-{uuid.uuid4().hex[:8]}"
-    yield Pool(name, capacity=64 * PCB)
-    Pool.remove(name)
+def pool(pool_name: str) -> Pool:
+    return Pool(pool_name, capacity=64 * PCB)
 
 
 def test_releases_nobody_waits_for_move_no_generation(pool: Pool) -> None:
