@@ -44,12 +44,6 @@ def make_alloc_fixture() -> Iterator[MakeAlloc]:
         a.close()
 
 
-def pool_name_fixture(pool_names: Callable[[], str]) -> str:
-    """conftest.py's ``pool_name``, for test_adapter_sglang.py, which wraps this
-    as its own fixture (the other files take conftest's directly)."""
-    return pool_names()
-
-
 page_sizes = pytest.mark.parametrize("ps", [1, 4])
 
 

@@ -93,13 +93,6 @@ def require_vllm() -> None:
         pytest.skip("set KVPOOL_VLLM_PYTHON to a vLLM venv's python (scripts/test.sh does)", allow_module_level=True)
 
 
-@pytest.fixture
-def pool_name(pool_names: Callable[[], str]) -> str:
-    """conftest.py's ``pool_name``, for test_adapter_vllm.py, which imports it
-    from here (the other files take conftest's directly)."""
-    return pool_names()
-
-
 def wait_listening(port: int, alive: Callable[[], bool], log: Callable[[], str]) -> None:
     """Until a connect to a starting OpenAI server succeeds. uvicorn logs
     "Application startup complete" before it listens on the socket vLLM bound

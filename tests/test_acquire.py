@@ -16,8 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -25,16 +23,11 @@ import pytest
 
 from kvpool import Geometry, KVSpace, Pool, PoolClosed, PoolExhausted, RequestTooLarge
 
+from ._helpers import wait_until
+
 PAGE = 4096
 PER_PAGE = 8
 GEOMETRY = Geometry(1, 1, PAGE // PER_PAGE, 64, page_bytes=PAGE)  # 8 pages of 8 blocks
-
-
-@pytest.fixture
-def pool_name() -> Iterator[str]:
-    name = f"acquire-{uuid.uuid4().hex[:8]}"
-    yield name
-    Pool.remove(name)
 
 
 def _space(pool: str, name: str, guarantee_bytes: int | None = None) -> KVSpace:
@@ -44,12 +37,6 @@ def _space(pool: str, name: str, guarantee_bytes: int | None = None) -> KVSpace:
 
 def _row(pool: str, name: str) -> Any:
     return next(t for t in Pool(pool).snapshot().tenants if t.name == name)
-
-
-def _until(cond: Callable[[], bool]) -> None:
-    """Wait for an event another thread or process causes (the test's timeout bounds it)."""
-    while not cond():
-        time.sleep(0.005)
 
 
 class _Acquirer(threading.Thread):
@@ -105,7 +92,7 @@ def test_acquire_waits_while_the_peer_works_and_is_granted_when_it_frees(pool_na
         held = peer.alloc(4 * PER_PAGE)
         w = _Acquirer(waiter, PER_PAGE, stall=stall)
         w.start()
-        _until(lambda: _row(pool_name, "waiter").waiting == 1)  # the pool sees it waiting (lenders read it)
+        wait_until(lambda: _row(pool_name, "waiter").waiting == 1, "the pool sees the waiter waiting")
         assert _row(pool_name, "waiter").want_bytes > 0
         end = time.monotonic() + 3 * stall
         rounds = 0
@@ -139,7 +126,7 @@ while True:
     time.sleep(60)
 """], cwd=tmp_path)
     try:
-        _until(lambda: ready.exists() or child.poll() is not None)
+        wait_until(lambda: ready.exists() or child.poll() is not None, "the holder holds the pool")
         assert child.poll() is None
         os.kill(child.pid, signal.SIGSTOP)
         with _space(pool_name, "a") as a, _space(pool_name, "b") as b:
@@ -179,7 +166,7 @@ def test_a_caller_that_reports_its_own_waiting_keeps_it(pool_name: str) -> None:
         waiter.report_waiting(3)
         w = _Acquirer(waiter, 1, stall=3600)
         w.start()
-        _until(lambda: waiter.stats().shortages > 0 or w.result is not None)
+        wait_until(lambda: waiter.stats().shortages > 0 or w.result is not None, "the waiter waits")
         peer.free(held[:PER_PAGE])
         peer.trim()
         w.join()
@@ -194,7 +181,7 @@ def test_closing_the_space_ends_a_wait(pool_name: str) -> None:
         waiter = _space(pool_name, "waiter")
         w = _Acquirer(waiter, 1, stall=3600)
         w.start()
-        _until(lambda: _row(pool_name, "waiter").waiting == 1)
+        wait_until(lambda: _row(pool_name, "waiter").waiting == 1, "the waiter waits")
         waiter.close()
         w.join()
         assert isinstance(w.result, PoolClosed), w.result
@@ -206,7 +193,7 @@ def test_ctrl_c_ends_a_wait_with_nothing_held(pool_name: str) -> None:
         peer.alloc(4 * PER_PAGE)
 
         def interrupt() -> None:
-            _until(lambda: _row(pool_name, "waiter").waiting == 1)
+            wait_until(lambda: _row(pool_name, "waiter").waiting == 1, "the waiter waits")
             os.kill(os.getpid(), signal.SIGINT)
 
         t = threading.Thread(target=interrupt, daemon=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,10 +29,10 @@ from kvpool.adapters.sglang import AllocatorState, KVPoolTokenAllocator
 
 from . import _sglang_support as S
 from ._sglang_support import NUM_PAGES, MakeAlloc, page_sizes, pages_of, state_of, used
+from ._helpers import wait_until
 from .conftest import KiB
 
 make_alloc = pytest.fixture(name="make_alloc")(S.make_alloc_fixture)
-pool_name = pytest.fixture(name="pool_name")(S.pool_name_fixture)
 
 
 # -- alloc -------------------------------------------------------------------------
@@ -305,8 +304,7 @@ def test_an_alloc_waits_while_another_engine_gives_the_pool_budget_back(
         return any(ten.waiting == 1 for ten in Pool(pool_name).tenants() if ten.name == b.space.name)
 
     def other_engine() -> None:
-        while not b_waiting():  # b waits, and tells the pool so; then the budget comes back
-            time.sleep(0.005)
+        wait_until(b_waiting, "b waits, and tells the pool so")  # then the budget comes back
         freed.set()
         a.free(taken)
         a.flush()

@@ -129,17 +129,14 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def test_a_real_sglang_server_generates_the_same_tokens_with_kvpool_holding_its_pages(
-        tiny_llama: str, tmp_path: pathlib.Path) -> None:
+        tiny_llama: str, tmp_path: pathlib.Path, pool_name: str) -> None:
     from kvpool import Pool
 
-    pool = f"test-sgl-{uuid.uuid4().hex[:6]}"
+    pool = pool_name
     Pool(pool, capacity=256 << 20)
     tenants: list[list[tuple[str, int]]] = []
-    try:
-        stock = serve(tiny_llama, tmp_path / "stock.log", pool, tenants)
-        with_kvpool = serve(tiny_llama, tmp_path / "kvpool.log", pool, tenants, KVPOOL_SGLANG="1")
-    finally:
-        Pool.remove(pool)
+    stock = serve(tiny_llama, tmp_path / "stock.log", pool, tenants)
+    with_kvpool = serve(tiny_llama, tmp_path / "kvpool.log", pool, tenants, KVPOOL_SGLANG="1")
     assert with_kvpool == stock and all(len(o) == 24 for o in stock)
     assert tenants[0] == []  # stock SGLang: not a tenant
     (name, committed), = tenants[1]

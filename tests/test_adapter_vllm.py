@@ -27,7 +27,7 @@ import pytest
 from kvpool import Geometry, KVSpace, Pool, PoolExhausted
 
 from ._vllm_engines import (HERE, RELEASES, UNIT, VLLM_PYTHON, Release, build_model, committed, finish, phase,
-                            pool_name, prompts, require_vllm, run_engine, run_together)  # pool_name: a fixture
+                            prompts, require_vllm, run_engine, run_together)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]  # real engines start in child processes
 

@@ -13,11 +13,8 @@
 
 from __future__ import annotations
 
-import os
 import sys
-import uuid
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,17 +23,11 @@ import torch
 
 from kvpool import Geometry, InvalidBlocks, KVCacheManager, KVSpace, Pool, PoolExhausted
 
+from ._helpers import until
 from .conftest import KiB
 
 G = Geometry(1, 1, 4 * KiB, 1024, page_bytes=64 * KiB)  # 16 blocks a page, 64 pages
 NEVER = 3600.0  # an idle interval no test outlives: only pressure may release
-
-
-@pytest.fixture
-def pool_name() -> Iterator[str]:
-    name = f"test-hot-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield name
-    Pool.remove(name)
 
 
 class CountingNative:
@@ -157,8 +148,7 @@ async def test_the_manager_hot_path_hands_every_unusual_state_to_the_checked_pat
             granted.append(await m.alloc(8))
 
         tg.start_soon(waiter)
-        while m.waiting == 0:
-            await anyio.sleep(0)
+        await until(lambda: m.waiting > 0, "the waiter queues", interval=0)
         _, frames = python_frames(m.free, held[:8])
         assert frames[0] == "free"  # the checked path: it hands the 8 blocks to the waiter
     assert len(granted) == 1 and len(granted[0]) == 8
@@ -226,8 +216,7 @@ def test_await_alloc_is_a_coroutine_that_holds_nothing_before_its_first_send() -
             # Past a shortage it is the checked coroutine's: it queues, and a cancellation leaks nothing.
             held = m.alloc_nowait(G.capacity)
             t = asyncio.create_task(m.alloc(4))
-            while m.waiting == 0:
-                await asyncio.sleep(0)
+            await until(lambda: m.waiting > 0, "the alloc queues", interval=0)
             t.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await t
@@ -293,8 +282,7 @@ def test_trio_runs_await_alloc_as_a_task_and_waits_in_it() -> None:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(waiter)
                 nursery.start_soon(m.alloc, 2)  # trio takes the native coroutine as a task of its own
-                while m.waiting < 2:
-                    await trio.sleep(0)
+                await until(lambda: m.waiting >= 2, "both allocs queue", interval=0)
                 m.free(held[:6])
             assert len(got) == 1 and len(got[0]) == 4
             assert m.space.available() == 0  # the task's 2 blocks stay allocated: trio dropped its result

@@ -10,8 +10,7 @@ nanobind's ``TypeError`` with a signature dump, ``pool=123`` was an
 from __future__ import annotations
 
 import os
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,13 +25,6 @@ from .conftest import KiB, snapshot
 G = Geometry(1, 2, 4 * KiB, 64, page_bytes=16 * KiB)  # 4 blocks a page, 16 pages
 BIG = 2**63  # one past int64
 HUGE = 2**64
-
-
-@pytest.fixture
-def pool_name() -> Iterator[str]:
-    name = f"test-valid-{uuid.uuid4().hex[:10]}"
-    yield name
-    Pool.remove(name)
 
 
 def shm() -> set[str]:
