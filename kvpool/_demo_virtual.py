@@ -174,6 +174,7 @@ class VirtualEngine(Scheduler):
                 continue
             async with self.device:  # asyncio.Lock is FIFO: the engines take turns, deterministically
                 await self._step()
+                self.step_ended(bool(self.batch or self.incoming))
 
     async def _step(self) -> None:
         """One iteration of the real engine's loop: preempt if lending, prefill, emit, free, decode."""

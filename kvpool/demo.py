@@ -132,6 +132,7 @@ class Engine(Scheduler):
                                         [kv for _, _, _, kv, _ in still])
                 still = [(r, ids, blocks, kv, out[i]) for i, (r, ids, blocks, kv, _) in enumerate(still)]
             self.running = still
+            self.step_ended(bool(self.running))
             await asyncio.sleep(0)  # let the other engines run
 
 
@@ -230,6 +231,7 @@ def summarize(mode: str, args: argparse.Namespace, elapsed: float, timeline: lis
         "preempted_wait_s": r["preempted_wait_s"], "preemptions_asked": r.get("preemptions_asked", 0),
         "reclaimed_by_completion_bytes": r.get("reclaimed_by_completion_bytes", 0),
         "reclaimed_by_preemption_bytes": r.get("reclaimed_by_preemption_bytes", 0),
+        "waits_escalated": r.get("waits_escalated", 0),
     } for r in raw]
     all_ttft = [t for r in raw for t in r["ttft"]]
     return {
@@ -247,6 +249,8 @@ def summarize(mode: str, args: argparse.Namespace, elapsed: float, timeline: lis
         "preemptions_asked": sum(p["preemptions_asked"] for p in per_engine),
         "reclaimed_by_completion_bytes": sum(p["reclaimed_by_completion_bytes"] for p in per_engine),
         "reclaimed_by_preemption_bytes": sum(p["reclaimed_by_preemption_bytes"] for p in per_engine),
+        # Waits a shared device made an engine ask for at once (kvpool._demo_sched, issue 31).
+        "waits_escalated": sum(p["waits_escalated"] for p in per_engine),
         "engines": per_engine, "timeline": timeline,
         "outputs": {rid: out for r in raw for rid, out in r["outputs"].items()},
     }
