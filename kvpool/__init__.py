@@ -40,9 +40,9 @@ if typing.TYPE_CHECKING:  # the type checker sees plain imports; at run time the
     from .ranks import RankHandle as RankHandle
     from .ranks import RankMemory as RankMemory
     from .space import KVSpace as KVSpace
-    from .space import SharedMemory as SharedMemory
-    from .space import cuda_unavailable_reason as cuda_unavailable_reason
-    from .space import map_shared as map_shared
+    from .shared_memory import SharedMemory as SharedMemory
+    from .shared_memory import cuda_unavailable_reason as cuda_unavailable_reason
+    from .shared_memory import map_shared as map_shared
     from .tracing import bind_request as bind_request
 
 __version__ = "0.1.0"
@@ -64,10 +64,10 @@ _LAZY = {
     "RankHandle": "ranks",
     "RankMemory": "ranks",
     "PageInfo": "_space_stats",
-    "SharedMemory": "space",
+    "SharedMemory": "shared_memory",
     "SpaceStats": "_space_stats",
-    "cuda_unavailable_reason": "space",
-    "map_shared": "space",
+    "cuda_unavailable_reason": "shared_memory",
+    "map_shared": "shared_memory",
     "bind_request": "tracing",
 }
 

@@ -11,7 +11,6 @@ import math
 import os
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Literal, NoReturn, TypeVar, cast, overload
 
 import numpy as np
@@ -26,68 +25,17 @@ from .errors import BackendError, GeometryError, InvalidBlocks, PoolClosed
 from .geometry import Geometry
 from .pool import Pool
 from .ranks import MAX_RANKS, RankHandle
+from .shared_memory import SharedMemory, cuda_unavailable_reason
 from ._sizes import format_size
 
 T = TypeVar("T")
 
-__all__ = ["BudgetStats", "KVSpace", "PageInfo", "SharedMemory", "SpaceStats", "cuda_unavailable_reason",
-           "map_shared"]
+__all__ = ["BudgetStats", "KVSpace", "PageInfo", "SpaceStats"]
 
 BlockIds = npt.NDArray[np.int64]
 _STATE_NAMES: tuple[PageStateName, ...] = ("free", "committing", "reserve", "active", "releasing")
 _tenant_ids = itertools.count()
 _FAULT_KINDS = {"commit": 0, "release": 1}
-
-
-@dataclass(frozen=True)
-class SharedMemory:
-    """What another process needs to map a CPU space's memory (:func:`map_shared`).
-
-    The owner keeps the allocator (alloc, free, commits); the other process
-    only maps the same memory file, so pages the owner commits are visible
-    there with no message per page. It must never write outside blocks the
-    owner handed out: a write into a released page would allocate memory
-    behind the ledger's back.
-    """
-
-    pid: int
-    fd: int
-    size: int
-
-
-def map_shared(shared: SharedMemory) -> torch.Tensor:
-    """Map ``shared`` (from :meth:`KVSpace.shared_memory` in another process).
-
-    Returns a flat ``uint8`` tensor over all regions, laid out as
-    :meth:`KVSpace.memory`. The mapping lives as long as the tensor.
-    """
-    import mmap
-
-    if not isinstance(shared, SharedMemory):
-        raise TypeError(f"map_shared takes the SharedMemory of KVSpace.shared_memory(), got {shared!r}")
-    V.integer("SharedMemory.pid", shared.pid, lo=1, hi=2**31 - 1)
-    V.integer("SharedMemory.fd", shared.fd, hi=2**31 - 1)
-    V.integer("SharedMemory.size", shared.size)
-    path = f"/proc/{shared.pid}/fd/{shared.fd}"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as e:
-        raise BackendError(f"cannot open the shared KV memory {path}: {e} (is the owner process alive?)") from e
-    try:
-        size = os.fstat(fd).st_size
-        if size != shared.size:
-            raise BackendError(f"{path} is {size} bytes, expected {shared.size}: not the space's memory file")
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError as e:
-        raise BackendError(f"cannot map the shared KV memory {path}: {e}") from e
-    finally:
-        os.close(fd)
-    return torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive
-
-
-def cuda_unavailable_reason() -> str:
-    """Why the CUDA backend cannot be used on this machine ("" when it can)."""
-    return str(_core.native.cuda_unavailable_reason())
 
 
 _ndarray = np.ndarray
