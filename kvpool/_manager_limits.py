@@ -24,16 +24,24 @@ class _LimitsMixin:
     # Set by KVCacheManager.__init__.
     name: str
     space: KVSpace
-    _closed: bool
+    _closed: bool  # stored in the native base (ManagerFace)
+    _limit_deferred: bool  # stored in the native base: its free takes the slow path while True
     _log: Any  # a structlog bound logger (tracing.get_logger)
-    _limit_state: LimitState
-    _hot: Any  # the native hot path (kvpool._native.ManagerHotPath)
     _preempt_bytes: int = 0  # the last preemption verdict traced
     _lending: bool
     _guarantee: int
 
     def _dispatch(self, available: int | None = None) -> None:
         raise NotImplementedError  # KVCacheManager's
+
+    @property
+    def _limit_state(self) -> LimitState:
+        """APPLIED or DEFERRED as last read from the native verdict (stored as the base's ``_limit_deferred``)."""
+        return LimitState.DEFERRED if self._limit_deferred else LimitState.APPLIED
+
+    @_limit_state.setter
+    def _limit_state(self, state: LimitState) -> None:
+        self._limit_deferred = state is LimitState.DEFERRED
 
     async def set_limit(self, limit_bytes: int | None, *, revision: int | None = None) -> LimitState:
         """Cap this tenant's committed bytes.
@@ -150,8 +158,7 @@ class _LimitsMixin:
             event = "limit.applied" if new is LimitState.APPLIED else "limit.deferred"
             lim, rev = self._limit_setting()
             self._log.info(event, limit_bytes=lim, revision=rev, committed_bytes=s.committed_bytes)
-        self._limit_state = new
-        self._hot.deferred = new is LimitState.DEFERRED  # the hot path's free then takes the checked one
+        self._limit_state = new  # while DEFERRED the native free takes the slow path, which re-judges it
         return new
 
     @property

@@ -3,7 +3,6 @@
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 import enum
 from typing import Annotated, Any, NoReturn
-import weakref
 
 import numpy
 import numpy.typing
@@ -579,61 +578,62 @@ class TraceLevel:
     @level.setter
     def level(self, arg: int, /) -> None: ...
 
-class SpaceHotPath:
+class SpaceFace:
     """
-    KVSpace.alloc / free as one native call each (kvpool.space binds them on the instance).
+    KVSpace's native base: alloc and free, one native call each (kvpool.space).
     """
 
-    def __init__(self, space: Space, owner: weakref.ReferenceType[Any], checked_alloc: Callable[..., Any], checked_free: Callable[..., Any], alloc_refused: Callable[[Failure, int], NoReturn], free_refused: Callable[[Failure], NoReturn]) -> None: ...
+    def __init__(self, space: Space, *, slow_alloc: Callable[..., Any], slow_free: Callable[..., None], alloc_refused: Callable[[Failure, int], NoReturn], free_refused: Callable[[Failure], NoReturn]) -> None: ...
 
     def alloc(self, n: int, *, promised: bool = False) -> numpy.typing.NDArray[numpy.int64]:
-        """KVSpace.alloc: n block ids, or the kvpool error."""
+        """
+        Allocate ``n`` blocks, all or nothing.
+
+        Raises :class:`PoolExhausted` (with ``requested``/``available``) when
+        they are not there; nothing changes then.
+
+        ``promised=True``: the caller read ``available() >= n`` while this
+        tenant was not lending and has already told its engine the blocks are
+        there; a tenant below its guarantee (another process) may have started
+        waiting since. The alloc is then granted as that count said: the
+        lending verdict and the waiters' claims on free memory do not refuse
+        it, the limit and the pool's free bytes still do. Use it only right
+        after such a count (the vLLM plugin's ``get_new_blocks`` after its
+        ``get_num_free_blocks``); the next count reads the new verdict.
+        """
 
     def free(self, blocks: Any) -> None:
-        """KVSpace.free: every id or none, or the kvpool error."""
+        """
+        Free a batch of ids. Any bad id raises :class:`InvalidBlocks` and frees nothing.
+        """
 
-class ManagerHotPath:
+class ManagerFace:
     """
-    KVCacheManager.alloc_nowait / free as one native call each while nothing is unusual (kvpool.manager binds them on the instance).
+    KVCacheManager's native base: alloc_nowait, free and await alloc (kvpool.manager).
     """
 
-    def __init__(self, space: Space, owner: weakref.ReferenceType[Any], checked_alloc: Callable[..., Any], checked_free: Callable[..., Any], alloc_refused: Callable[[Any, Failure, int], NoReturn], try_refused: Callable[[Any, Failure, int], NoReturn], free_refused: Callable[[Failure], NoReturn], checked_await: Callable[..., Awaitable[Any]], waiters: list[Any], trace_state: TraceLevel, debug_level: int, usable: int) -> None: ...
+    def __init__(self, space: Space, *, slow_alloc: Callable[..., Any], slow_free: Callable[..., None], slow_await: Callable[..., Awaitable[Any]], alloc_refused: Callable[[Any, Failure, int], NoReturn], try_refused: Callable[[Any, Failure, int], NoReturn], free_refused: Callable[[Failure], NoReturn], waiters: list[Any], trace_state: TraceLevel, debug_level: int, usable: int) -> None: ...
 
     def alloc_nowait(self, n: int, *, priority: int = 0) -> numpy.typing.NDArray[numpy.int64]:
-        """KVCacheManager.alloc_nowait: n block ids, or the kvpool error."""
-
-    def try_alloc(self, n: Any) -> numpy.typing.NDArray[numpy.int64] | Failure | None:
         """
-        await alloc's first try: ids, a Failure (a shortage: queue) or None (take the checked path).
+        n block ids now, or :class:`PoolExhausted` (never queues, never barges).
         """
 
     def alloc(self, n: int, *, timeout: float | None = None, priority: int = 0) -> Coroutine[Any, Any, numpy.typing.NDArray[numpy.int64]]:
         """
-        await KVCacheManager.alloc: an AllocCall (granted at once on its first send, else the checked coroutine).
+        Wait until n blocks can be granted, then return their ids.
+
+        FIFO within a priority class (lower number first). ``timeout``
+        raises :class:`TimeoutError` holding nothing; closing the manager
+        raises :class:`PoolClosed`. Cancellation never leaks a block.
+
+        A coroutine (``kvpool._native.AllocCall``): granted at once, its first
+        send returns the ids, with no schedule point between the grant and
+        the return; otherwise it runs the manager's queued wait.
         """
 
     def free(self, blocks: Any) -> None:
-        """KVCacheManager.free."""
-
-    @property
-    def closed(self) -> bool:
-        """The manager is closed: every call takes the checked path."""
-
-    @closed.setter
-    def closed(self, arg: bool, /) -> None: ...
-
-    @property
-    def deferred(self) -> bool:
-        """
-        A lowered limit waits to be applied: every free takes the checked path (it re-judges it).
-        """
-
-    @deferred.setter
-    def deferred(self, arg: bool, /) -> None: ...
-
-    @property
-    def at_once(self) -> int:
-        """Allocs this face granted."""
+        """Give blocks back; waiters are served before any new arrival."""
 
 class VllmFreeQueue:
     """

@@ -18,15 +18,18 @@ Threading. A manager belongs to one event loop; call it from that loop's
 thread (engines on other threads use ``kvpool.adapters.blocking``).
 
 Hot path. ``alloc_nowait``, ``free`` and an ``alloc`` granted at once make
-one native call each and nothing else: an instance's ``alloc_nowait`` and
-``free`` are native methods (``kvpool._native.ManagerHotPath``) that run no
-Python frame; they check ``n`` and the ids themselves and hand arguments
-that are not plain ints / int64 arrays or lists, and every unusual state
-(someone queued, closed, a deferred limit, DEBUG tracing), to the class's
-methods below, the checked path. An instance's ``alloc`` returns a native
-coroutine (``kvpool._native.AllocCall``, a ``collections.abc.Coroutine``
-that asyncio tasks and trio take): its first send is the same one native
-call, and anything but a grant hands over to ``_alloc_checked``. An ``alloc``
+one native call each and nothing else: they are the methods of the
+manager's native base class (``kvpool._native.ManagerFace``), the one
+implementation of each, and run no Python frame. They check ``n`` and the
+ids themselves and hand arguments that are not plain ints / int64 arrays or
+lists, and every unusual state (someone queued, closed, a deferred limit,
+DEBUG tracing), to the slow paths below (``_alloc_nowait_slow``,
+``_free_slow``). The state they read is stored in the base only
+(``_closed``, ``_limit_deferred``, ``_granted_at_once``). ``alloc`` returns
+a native coroutine (``kvpool._native.AllocCall``, a
+``collections.abc.Coroutine`` that asyncio tasks and trio take): its first
+send is the same one native call, and anything but a grant hands over to
+``_alloc_slow``, the queued wait. An ``alloc``
 granted at once returns without a schedule point (like ``asyncio.Lock``
 acquired when free): no cancellation can land between the grant and the
 return, so none can lose the blocks; a cancellation already requested is
@@ -41,7 +44,6 @@ import itertools
 import math
 import os
 import time
-import weakref
 from collections.abc import Iterable, Sequence, Sized
 from types import TracebackType
 from typing import NoReturn
@@ -74,7 +76,6 @@ _trace = tracing.state  # read on the hot path: per-request events only when DEB
 _DEBUG = tracing.DEBUG
 
 
-_DEFERRED = LimitState.DEFERRED  # an Enum member through its class costs ~0.2 us per read on the hot path
 
 
 
@@ -82,7 +83,10 @@ def _limit_text(n: int | None) -> str:
     return "none" if n is None or n < 0 else format_size_exact(n)
 
 
-class KVCacheManager(_LimitsMixin):
+_ManagerFace = _core.native.ManagerFace
+
+
+class KVCacheManager(_LimitsMixin, _ManagerFace):
     """Awaitable block allocation over one KV space.
 
     Args:
@@ -101,6 +105,12 @@ class KVCacheManager(_LimitsMixin):
             borrowers must leave free, so its next request of up to that
             size is granted at once (default 0). See :meth:`set_headroom`.
     """
+
+    # Stored in the native base (ManagerFace), the one store of each (the
+    # stub omits private names): annotations only, no class attribute.
+    _closed: bool
+    _limit_deferred: bool
+    _granted_at_once: int
 
     def __init__(
         self,
@@ -129,30 +139,16 @@ class KVCacheManager(_LimitsMixin):
 
         self.geometry = geometry
         self._usable = geometry.capacity - (1 if null_block else 0)
-        self._native = self.space._space  # the hot path calls it directly (one call per alloc/free)
+        self._native = self.space._space  # the slow paths call it directly (one call per alloc/free)
         self._queue = WaitQueue()
         self._priorities = self._queue.priorities  # non-empty while anyone waits (read on the hot path)
-        # The hot path (issue 12): alloc_nowait and free bound on the instance,
-        # one native call each with no Python frame while nothing is unusual
-        # (nobody queued, open, no limit waiting to be applied, no DEBUG
-        # tracing: the face reads the queue and the trace level itself and is
-        # told of the rest); otherwise, and for any argument but a plain int /
-        # int64 array or list, the class's methods below (the checked path).
-        self._hot = _core.native.ManagerHotPath(
-            self._native, weakref.ref(self), KVCacheManager.alloc_nowait, KVCacheManager.free,
-            KVCacheManager._alloc_refused, KVCacheManager._try_refused, free_refused, KVCacheManager._alloc_checked,
-            self._priorities, _trace, _DEBUG, self._usable)
-        # (A subclass that overrides one of them keeps its own.)
-        if type(self).alloc_nowait is KVCacheManager.alloc_nowait:
-            self.alloc_nowait = self._hot.alloc_nowait  # type: ignore[method-assign]
-        if type(self).free is KVCacheManager.free:
-            self.free = self._hot.free  # type: ignore[method-assign]
-        if type(self).alloc is KVCacheManager.alloc:
-            # await alloc with no coroutine frame: a native coroutine whose
-            # first send is the try below; past it, _alloc_checked.
-            self.alloc = self._hot.alloc  # type: ignore[method-assign]
-        self._try_alloc = self._hot.try_alloc  # await alloc's first try, bound once
-        self._closed = False
+        # alloc_nowait, free and alloc are the native base's (ManagerFace,
+        # bindings_hot.cpp; module docstring). Its table: the slow paths below.
+        super().__init__(
+            self._native, slow_alloc=KVCacheManager._alloc_nowait_slow, slow_free=KVCacheManager._free_slow,
+            slow_await=KVCacheManager._alloc_slow, alloc_refused=KVCacheManager._alloc_refused,
+            try_refused=KVCacheManager._try_refused, free_refused=free_refused, waiters=self._priorities,
+            trace_state=_trace, debug_level=_DEBUG, usable=self._usable)
         self._watcher: Waiter | None = None
         self._watch_scope: anyio.CancelScope | None = None
         self._watcher_gone: anyio.Event | None = None
@@ -161,7 +157,6 @@ class KVCacheManager(_LimitsMixin):
         self._lending = False
         self._guarantee = 0
         self._counts = {"after_wait": 0, "timeouts": 0, "cancellations": 0, "shortages": 0}
-        self._at_once = 0  # granted at once by the checked path and await alloc (the hot path counts its own)
         self._log = tracing.get_logger(pool=self.pool, tenant=self.name)
         self._refresh_limit_state(log=False)
         self._refresh_budget()
@@ -205,13 +200,14 @@ class KVCacheManager(_LimitsMixin):
         if (c := self._native.last_alloc_commits):
             self._log.debug("pages.committed", pages=c, by="alloc")
 
-    def alloc_nowait(self, n: int, *, priority: int = 0) -> BlockIds:
-        """n block ids now, or :class:`PoolExhausted` (never queues, never barges)."""
-        if type(n) is not int or not 0 < n <= self._usable or self._closed or (
-                priority != 0 and type(priority) is not int):
-            n = self._validate(n, priority)
-            if n == 0:
-                return _EMPTY.copy()
+    # alloc_nowait(n, *, priority=0), free(blocks) and alloc(n, *, timeout,
+    # priority) are ManagerFace's (native); their documentation is there
+    # (help(KVCacheManager.alloc)). Below: their slow paths.
+    def _alloc_nowait_slow(self, n: int, priority: int) -> BlockIds:
+        """``alloc_nowait`` with an unusual argument or state: checked, then granted or refused here."""
+        n = self._validate(n, priority)
+        if n == 0:
+            return _EMPTY.copy()
         if self._priorities and self._priorities[0] <= priority:
             self._counts["shortages"] += 1
             self._log.info("alloc.shortage", requested=n, available=0, waiting=len(self._queue))
@@ -219,7 +215,7 @@ class KVCacheManager(_LimitsMixin):
         r = self._native.alloc(n)
         if not isinstance(r, _ndarray):
             self._alloc_refused(r, n)
-        self._at_once += 1
+        self._granted_at_once += 1
         if _trace.level <= _DEBUG:
             self._trace_pages()
             self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
@@ -237,26 +233,9 @@ class KVCacheManager(_LimitsMixin):
             self._counts["shortages"] += 1  # admission: never queued
         alloc_failed(r, n)
 
-    async def alloc(self, n: int, *, timeout: float | None = None, priority: int = 0) -> BlockIds:
-        """Wait until n blocks can be granted, then return their ids.
-
-        FIFO within a priority class (lower number first). ``timeout``
-        raises :class:`TimeoutError` holding nothing; closing the manager
-        raises :class:`PoolClosed`. Cancellation never leaks a block.
-        """
-        # Granted at once: one native call and no schedule point between the
-        # grant and the return (module docstring), so no cancellation of any
-        # library can lose the ids (issue 10, D1). The hot path's try_alloc
-        # answers ids, a shortage (a Failure: queue) or None (anything
-        # unusual: the checked path below); any other refusal it raises.
-        r = self._try_alloc(n) if timeout is None and priority == 0 else None
-        if r.__class__ is _ndarray:
-            return r
-        return await self._alloc_checked(n, timeout, priority, r)
-
-    async def _alloc_checked(self, n: int, timeout: float | None, priority: int,
-                             r: _core.native.Failure | None) -> BlockIds:
-        """``alloc`` past its first try: ``r`` is a shortage (queue) or None (check everything first)."""
+    async def _alloc_slow(self, n: int, timeout: float | None, priority: int,
+                          r: _core.native.Failure | None) -> BlockIds:
+        """``await alloc`` past its first try: ``r`` is a shortage (queue) or None (check everything first)."""
         if r is None:
             n = self._validate(n, priority)
             if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
@@ -273,7 +252,7 @@ class KVCacheManager(_LimitsMixin):
                 except PoolExhausted:
                     pass
                 else:
-                    self._at_once += 1
+                    self._granted_at_once += 1
                     if _trace.level <= _DEBUG:
                         self._log.debug("alloc.granted", n=n, waited_ms=0.0, priority=priority)
                     return ids
@@ -438,8 +417,8 @@ class KVCacheManager(_LimitsMixin):
             self._refresh_budget()
 
     # ------------------------------------------------------------------- free
-    def free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> None:
-        """Give blocks back; waiters are served before any new arrival."""
+    def _free_slow(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> None:
+        """``free`` with an unusual argument or state (queued waiters, a deferred limit, DEBUG, closed)."""
         if self._closed:
             raise PoolClosed(f"manager {self.name!r} is closed")
         available: int | None
@@ -460,14 +439,14 @@ class KVCacheManager(_LimitsMixin):
                 self._log.debug("pages.released", pages=released, by="free")
         if self._priorities:
             self._dispatch(available)
-        if self._limit_state is _DEFERRED:
+        if self._limit_deferred:
             self._refresh_limit_state()
 
     def _after_free(self) -> None:
         """What a free does after the native call: waiters first, a deferred limit re-judged."""
         if self._priorities:
             self._dispatch()
-        if self._limit_state is _DEFERRED:
+        if self._limit_deferred:
             self._refresh_limit_state()
 
     # ------------------------------------------------------------ observation
@@ -511,7 +490,7 @@ class KVCacheManager(_LimitsMixin):
             waiting_blocks=self._queue.waiting_blocks, committed_bytes=s.committed_bytes,
             limit_bytes=limit_bytes, limit_revision=limit_revision, limit_state=self._limit_state,
             guarantee_bytes=s.budget.guarantee_bytes, borrowed_bytes=s.budget.borrowed_bytes,
-            lending=s.budget.lending, granted_at_once=self._at_once + self._hot.at_once, granted_after_wait=c["after_wait"], timeouts=c["timeouts"],
+            lending=s.budget.lending, granted_at_once=self._granted_at_once, granted_after_wait=c["after_wait"], timeouts=c["timeouts"],
             cancellations=c["cancellations"], shortages=c["shortages"], space=s,
         )
 
@@ -523,7 +502,7 @@ class KVCacheManager(_LimitsMixin):
         released = self.space.trim()
         if released:
             self._log.debug("pages.released", pages=released, by="trim")
-        if self._limit_state is _DEFERRED:
+        if self._limit_deferred:
             self._refresh_limit_state()
         return released
 
@@ -544,7 +523,6 @@ class KVCacheManager(_LimitsMixin):
             await anyio.lowlevel.checkpoint()
             return
         self._closed = True
-        self._hot.closed = True
         err = PoolClosed(f"manager {self.name!r} was closed")
         for w in self._queue.drain():
             w.state, w.error = WaiterState.GONE, err

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import Literal, NoReturn, TypeVar, cast, overload
 
@@ -53,7 +52,10 @@ def free_refused(f: _core.native.Failure) -> NoReturn:
     _core.raise_failure(f, ids=True)
 
 
-class KVSpace:
+_SpaceFace = _core.native.SpaceFace
+
+
+class KVSpace(_SpaceFace):
     """Reserve virtual KV regions for ``geometry``; commit pages as blocks are used.
 
     Args:
@@ -161,17 +163,13 @@ class KVSpace:
             # A shortage here is the null block's page not fitting: 1 block asked.
             _core.raise_status(code, f"cannot create KV space on {device}: {msg}", requested=1)
         self._space = cast(_core.native.Space, space)
-        # The hot path (issue 12): alloc and free bound on the instance, one
-        # native call each with no Python frame. They take a plain int n and
-        # ids as an int64 array or a list of ints themselves and hand anything
-        # else to the class's alloc / free below (the checked path).
-        # (A subclass that overrides one of them keeps its own.)
-        hot = _core.native.SpaceHotPath(self._space, weakref.ref(self), KVSpace.alloc, KVSpace.free,
-                                        alloc_failed, free_refused)
-        if type(self).alloc is KVSpace.alloc:
-            self.alloc = hot.alloc  # type: ignore[method-assign]
-        if type(self).free is KVSpace.free:
-            self.free = hot.free  # type: ignore[method-assign]
+        # alloc and free are the native base's (SpaceFace, bindings_hot.cpp):
+        # one native call each, the one implementation. They take a plain int
+        # n and ids as an int64 array or a list of ints themselves, and hand
+        # any other argument to the slow paths below, which convert it and
+        # call them again.
+        super().__init__(self._space, slow_alloc=KVSpace._alloc_slow, slow_free=KVSpace._free_slow,
+                         alloc_refused=alloc_failed, free_refused=free_refused)
         self._regions: list[torch.Tensor] | None = None
         self.ranks = rank_regions
 
@@ -214,33 +212,13 @@ class KVSpace:
         return lo, hi
 
     # -- allocation ---------------------------------------------------------
-    # An instance's alloc and free are the native hot path (bound in
-    # __init__); these methods are what it falls back to for any other
-    # argument, and what the docs describe: the behaviour is the same.
-    def alloc(self, n: int, *, promised: bool = False) -> BlockIds:
-        """Allocate ``n`` blocks, all or nothing.
-
-        Raises :class:`PoolExhausted` (with ``requested``/``available``) when
-        they are not there; nothing changes then.
-
-        ``promised=True``: the caller read ``available() >= n`` while this
-        tenant was not lending and has already told its engine the blocks are
-        there; a tenant below its guarantee (another process) may have started
-        waiting since. The alloc is then granted as that count said: the
-        lending verdict and the waiters' claims on free memory do not refuse
-        it, the limit and the pool's free bytes still do. Use it only right
-        after such a count (the vLLM plugin's ``get_new_blocks`` after its
-        ``get_num_free_blocks``); the next count reads the new verdict.
-        """
-        if type(n) is not int:
-            n = V.integer("n", n)
-        try:
-            r = self._space.alloc_promised(n) if promised else self._space.alloc(n)
-        except TypeError:  # an int beyond int64: the checked path names it
-            raise ValueError(f"n must be <= {V.INT64_MAX} (the native core's int64), got {n}") from None
-        if not isinstance(r, _ndarray):
-            alloc_failed(r, n)
-        return r
+    # alloc(n, *, promised=False) and free(blocks) are SpaceFace's (native);
+    # their documentation is there (help(KVSpace.alloc)). These are their slow
+    # paths: any argument but a plain int / bool / int64 array / list of ints.
+    def _alloc_slow(self, n: object, promised: object) -> BlockIds:
+        """``alloc``'s arguments checked and made plain, then ``alloc`` itself."""
+        n = V.integer("n", n)
+        return _SpaceFace.alloc(self, n, promised=V.flag("promised", promised))
 
     @overload
     def acquire(self, n: int, *, items: None = None, promised: bool = False, stall: float = 30.0,
@@ -288,18 +266,13 @@ class KVSpace:
             alloc_failed(r, n)
         return r
 
-    def free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> None:
-        """Free a batch of ids. Any bad id raises :class:`InvalidBlocks` and frees nothing."""
-        if type(blocks) is _ndarray or type(blocks) is list:  # the hot path, inline: one native call
-            try:
-                r = self._space.free(blocks)
-            except TypeError:  # not a 1-D C-contiguous int64 array or a list of ints: the checked path
-                self._free(blocks)
-                return
-            if not isinstance(r, int):
-                _core.raise_failure(r, ids=True)
+    def _free_slow(self, blocks: object) -> None:
+        """``free``'s ids checked and made an int64 array, then ``free`` itself."""
+        ids = V.block_ids(blocks)
+        if ids.size == 0:
+            self._check_open()
             return
-        self._free(blocks)
+        _SpaceFace.free(self, ids)
 
     def _free(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> int | None:
         """``free`` that returns the blocks available after it (``None``: nothing freed, no native call)."""

@@ -60,7 +60,7 @@ struct AllocFaceOps {
     // await alloc's first try: the ids (*granted), else what the checked
     // coroutine takes first: a Failure (a shortage: it queues) or None (it
     // checks everything). Throws (nb::python_error) any other refusal.
-    nanobind::object (*first_try)(void* face, nanobind::handle n, nanobind::handle timeout,
+    nanobind::object (*first_try)(void* face, nanobind::handle owner, nanobind::handle n, nanobind::handle timeout,
                                   nanobind::handle priority, bool* granted);
     // The checked coroutine: KVCacheManager._alloc_checked(owner, n, timeout, priority, first).
     nanobind::object (*checked)(void* face, nanobind::handle owner, nanobind::handle n, nanobind::handle timeout,
@@ -75,8 +75,8 @@ nanobind::object make_alloc_call(nanobind::handle face_obj, void* face, const Al
 void bind_space(nanobind::module_& m);
 // RankStats, RankMemory and attach_rank (bindings_mirror.cpp).
 void bind_mirror(nanobind::module_& m);
-// SpaceHotPath and ManagerHotPath (bindings_hot.cpp): KVSpace's and
-// KVCacheManager's alloc / free as one native call each; needs Space bound first.
+// SpaceFace and ManagerFace (bindings_hot.cpp): the native bases of KVSpace
+// and KVCacheManager, their alloc / free the one implementation; needs Space bound first.
 void bind_hot_path(nanobind::module_& m);
 // VllmFreeQueue (bindings_vllm.cpp): the vLLM plugin's free block queue and
 // block pool hot path; needs Space bound first.

@@ -1,6 +1,6 @@
 // `await manager.alloc(n)` with no Python frame (issue 12): AllocCall, a
-// native coroutine. kvpool.manager binds ManagerHotPath.alloc on each
-// manager (bindings_hot.cpp), and it returns one of these. Its first send is
+// native coroutine. KVCacheManager.alloc is ManagerFace.alloc (bindings_hot.cpp,
+// the manager's native base), and it returns one of these. Its first send is
 // await alloc's first try (the face's try_alloc): granted at once, it returns
 // the ids in that same send, so no schedule point lies between the grant and
 // the return and no cancellation of any library can lose them (issue 10, D1).
@@ -149,7 +149,7 @@ bool guarded(F&& f) {
         return true;
     } catch (nb::python_error& e) {
         e.restore();
-    } catch (const nb::builtin_exception& e) {  // the manager's face: the manager is gone
+    } catch (const nb::builtin_exception& e) {  // a TypeError the face raised (a table entry that returned)
         PyErr_SetString(PyExc_TypeError, e.what());
     } catch (const std::exception& e) {
         PyErr_SetString(PyExc_RuntimeError, e.what());
@@ -164,8 +164,8 @@ PySendResult start(AllocCall* c, PyObject** result) {
     {
         Running r(c);
         const bool ok = guarded([&] {
-            first = c->ops->first_try(c->self, nb::handle(c->n), nb::handle(c->timeout), nb::handle(c->priority),
-                                      &granted);
+            first = c->ops->first_try(c->self, nb::handle(c->owner), nb::handle(c->n), nb::handle(c->timeout),
+                                      nb::handle(c->priority), &granted);
             if (!granted)
                 coro = c->ops->checked(c->self, nb::handle(c->owner), nb::handle(c->n), nb::handle(c->timeout),
                                        nb::handle(c->priority), first);

@@ -90,12 +90,12 @@ def test_kvspace_alloc_and_free_are_one_native_call_each() -> None:
             _, frames = python_frames(sp.free, sp.alloc(n).tolist())  # the vLLM plugin's form: a list
             assert frames == []
             assert ops(sp) == (before[0] + 2, before[1] + 2)
-        # Anything else takes the checked path (one Python frame: the class's method).
+        # Anything else takes the slow path (one Python frame: it converts, then calls the face again).
         ids = sp.alloc(4)
         _, frames = python_frames(sp.free, tuple(ids.tolist()))
-        assert frames[0] == "free"
+        assert frames[0] == "_free_slow"
         _, frames = python_frames(sp.alloc, np.int64(3))
-        assert frames[0] == "alloc"
+        assert frames[0] == "_alloc_slow"
     finally:
         sp.close()
 
@@ -150,13 +150,13 @@ async def test_the_manager_hot_path_hands_every_unusual_state_to_the_checked_pat
         tg.start_soon(waiter)
         await until(lambda: m.waiting > 0, "the waiter queues", interval=0)
         _, frames = python_frames(m.free, held[:8])
-        assert frames[0] == "free"  # the checked path: it hands the 8 blocks to the waiter
+        assert frames[0] == "_free_slow"  # it hands the 8 blocks to the waiter
     assert len(granted) == 1 and len(granted[0]) == 8
     m.free(granted[0])
 
     with tracing.capture() as events:
         _, frames = python_frames(m.alloc_nowait, 1)
-    assert frames[0] == "alloc_nowait"
+    assert frames[0] == "_alloc_nowait_slow"
     assert any(e.get("event") == "alloc.granted" for e in events)
 
     ids = m.alloc_nowait(1)
@@ -453,3 +453,88 @@ def test_a_subclass_that_overrides_alloc_or_free_keeps_its_own() -> None:
     m.free(m.alloc_nowait(3))
     assert calls == ["free", "alloc_nowait"] and m.stats().used_blocks == 0
     m.space.close()
+
+
+# ------------------------------------------- one implementation (issue 34)
+
+def test_the_hot_entry_points_are_the_classes_own_methods_with_no_copy_on_the_instance() -> None:
+    """alloc / free / alloc_nowait / await alloc have one implementation: the native base's method,
+    found on the class, none bound on the instance (a breakpoint or a mock on the class fires)."""
+    from kvpool import _core
+
+    sp = KVSpace(G)
+    m = KVCacheManager(G, pool=None)
+    try:
+        assert KVSpace.alloc is _core.native.SpaceFace.alloc and KVSpace.free is _core.native.SpaceFace.free
+        for name in ("alloc_nowait", "free", "alloc"):
+            assert getattr(KVCacheManager, name) is getattr(_core.native.ManagerFace, name), name
+        assert not {"alloc", "free", "alloc_nowait"} & (set(vars(sp)) | set(vars(m)))
+    finally:
+        sp.close()
+        m.space.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_mock_on_the_class_method_sees_every_call(anyio_backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before issue 34 an instance's methods were bound copies: a spy on the class never fired."""
+    calls: list[tuple[str, Any]] = []
+
+    def spy(name: str, real: Any) -> Any:
+        def f(self: Any, *args: Any, **kw: Any) -> Any:
+            calls.append((name, args[0] if args else None))
+            return real(self, *args, **kw)
+        return f
+
+    for cls, name in ((KVSpace, "alloc"), (KVSpace, "free"), (KVCacheManager, "alloc_nowait"),
+                      (KVCacheManager, "free"), (KVCacheManager, "alloc")):
+        monkeypatch.setattr(cls, name, spy(f"{cls.__name__}.{name}", getattr(cls, name)))
+    sp = KVSpace(G)
+    m = KVCacheManager(G, pool=None)
+    try:
+        sp.free(sp.alloc(2))
+        m.free(m.alloc_nowait(3))
+        m.free(await m.alloc(4))
+    finally:
+        sp.close()
+        await m.aclose()
+    assert [c[0] for c in calls] == ["KVSpace.alloc", "KVSpace.free", "KVCacheManager.alloc_nowait",
+                                     "KVCacheManager.free", "KVCacheManager.alloc", "KVCacheManager.free"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_faces_state_has_one_store(anyio_backend: str) -> None:
+    """closed, a deferred limit and the at-once count live in the native base only: what the
+    manager reads is what the face acts on."""
+    m = KVCacheManager(G, pool=None, reserve=(0, 64))
+    m.free(m.alloc_nowait(2))
+    m.free(await m.alloc(2))
+    assert m._granted_at_once == 2 == m.stats().granted_at_once
+    await m.aclose()
+    m = KVCacheManager(G, pool=None, reserve=(0, 0))  # pages go back as they empty
+    ids = m.alloc_nowait(G.capacity // 2)
+    assert await m.set_limit(G.page_bytes) is not None
+    assert m._limit_deferred and m.limit_state.name == "DEFERRED"
+    _, frames = python_frames(m.free, ids[:1])
+    assert frames[0] == "_free_slow"  # the face saw the deferred limit
+    m.free(ids[1:])
+    assert not m._limit_deferred and m.limit_state.name == "APPLIED"
+    await m.aclose()
+    assert m._closed and m.closed
+
+
+def test_a_face_refuses_a_table_entry_that_is_not_callable_when_it_is_built() -> None:
+    from kvpool import _core
+
+    sp = KVSpace(G)
+    try:
+        with pytest.raises(TypeError, match="SpaceFace: slow_free must be callable, got NoneType"):
+            _core.native.SpaceFace(sp._space, slow_alloc=print, slow_free=None, alloc_refused=print,
+                                   free_refused=print)
+        with pytest.raises(TypeError, match="ManagerFace: try_refused must be callable, got int"):
+            _core.native.ManagerFace(sp._space, slow_alloc=print, slow_free=print, slow_await=print,
+                                     alloc_refused=print, try_refused=1, free_refused=print, waiters=[],
+                                     trace_state=_core.native.TraceLevel(), debug_level=10, usable=4)
+    finally:
+        sp.close()
