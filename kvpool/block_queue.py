@@ -3,9 +3,10 @@
 An engine whose scheduler keeps its own block objects and free queue (vLLM's
 ``BlockPool``) replaces that queue with one over a :class:`~kvpool.KVSpace`:
 :class:`FreeQueue` answers the engine's block objects from one native alloc,
-frees them in one native call, keeps cached blocks as evictable, and binds the
-engine's two per-request calls (its free count and its ``get_new_blocks``)
-as native methods. Off its common case (a shortage, a grant while the tenant
+frees them in one native call, keeps cached blocks as evictable, and is the
+one implementation of the engine's two per-request calls (its free count,
+``get_num_free_blocks``, and its ``get_new_blocks``): the adapter's methods
+call these. Off its common case (a shortage, a grant while the tenant
 lends, blocks a reuse watcher waits on) it calls the adapter back through
 the callables given here, each checked when the queue is built: the native
 core names no method of any adapter.

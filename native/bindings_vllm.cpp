@@ -149,7 +149,7 @@ struct VllmFreeQueue {
 
     // get_new_blocks: within the last count (or vLLM's own count while not
     // lending), vLLM's own method runs with its check reading the virtual
-    // count; anything else takes the plugin's checked path.
+    // count; anything else takes the plugin's slow path (checked_get_new).
     nb::object get_new_blocks(nb::handle num_blocks) {
         int overflow = 0;
         long long n = 0;

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from typing import Any, cast
 
 import numpy as np
@@ -107,7 +108,7 @@ class _SpaceFreeQueue(FreeQueue):
 
     def __init__(self, pool: KVPoolBlockPool) -> None:
         super().__init__(pool.space, pool.blocks, pool._reuse_watchers, pool,
-                         checked_get_new=KVPoolBlockPool.get_new_blocks, host_get_new=BlockPool.get_new_blocks,
+                         checked_get_new=KVPoolBlockPool._get_new_blocks_slow, host_get_new=BlockPool.get_new_blocks,
                          take_short=pool._take_short, report_waiting=pool._report_waiting,
                          keep_readable=self._keep_readable, id_attr="block_id",
                          total=pool.num_gpu_blocks - 1)  # every block but vLLM's null block
@@ -161,12 +162,6 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             block.prev_free_block = block.next_free_block = None
         queue = self.free_block_queue = _SpaceFreeQueue(self)
         self._evictable = queue.evictable
-        # vLLM's two calls per request, native while nothing is unusual (the
-        # queue's half of the hot path); a subclass overriding one keeps its own.
-        if type(self).get_num_free_blocks is KVPoolBlockPool.get_num_free_blocks:
-            self.get_num_free_blocks = queue.get_num_free_blocks  # type: ignore[method-assign]
-        if type(self).get_new_blocks is KVPoolBlockPool.get_new_blocks:
-            self.get_new_blocks = queue.get_new_blocks  # type: ignore[method-assign]
         g = space.geometry
         self._page_commit_bytes = g.page_commit_bytes
         # Less room than a page holds on average: "at the edge" (see on_step).
@@ -189,24 +184,28 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         # into its own cache, so vLLM sees a full cache and preempts, as it
         # would with no memory left. vLLM allocates right after this answer,
         # trusting it: what it was told it gets, even if the budget starts
-        # lending in between (issue 14; the queue's ``promised``). One owner:
-        # the queue's native count, also bound on the instance.
-        return int(self.free_block_queue.get_num_free_blocks())
+        # lending in between (issue 14; the queue's ``promised``). One
+        # implementation: the queue's native count.
+        return self.free_block_queue.get_num_free_blocks()  # type: ignore[no-any-return]
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
-        if num_blocks <= 0:
-            return []
         # vLLM's contract: beyond the free count is a ValueError. The count
         # vLLM last read stands even if a fresh one would say less (issue 14).
-        # Not covered by that count, the space is asked first: a grant means
-        # the count would have covered it; only a refusal needs the count
-        # (_take_short), so a round trip makes no count of its own.
-        # (The queue's native get_new_blocks, bound on the instance, runs the
-        # covered case itself and calls this method for the rest.)
+        # One implementation: the queue's native get_new_blocks runs the case
+        # that count (or vLLM's own, while not lending) covers, and calls
+        # _get_new_blocks_slow for the rest.
+        return self.free_block_queue.get_new_blocks(num_blocks)  # type: ignore[no-any-return]
+
+    def _get_new_blocks_slow(self, num_blocks: Any) -> list[Any]:
+        """``get_new_blocks`` past the queue's covered case: an argument that is
+        not a plain int (made one, then asked again), or blocks beyond the last
+        count. The space is asked first (a fresh count: a grant means it would
+        have covered them); only a refusal is vLLM's ValueError."""
+        if type(num_blocks) is not int:
+            return self.free_block_queue.get_new_blocks(operator.index(num_blocks))  # type: ignore[no-any-return]
         queue = self.free_block_queue
-        if num_blocks > queue.promised and (queue.lending or num_blocks > queue.num_free_blocks):
-            if num_blocks > self.get_num_free_blocks():
-                raise ValueError(f"Cannot get {num_blocks} free blocks from the pool ({queue.promised} free)")
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool ({queue.promised} free)")
         # vLLM's own get_new_blocks does the rest (reuse callbacks, cache
         # eviction, ref counts, metrics) over the blocks the space chose
         # (_SpaceFreeQueue.popleft_n); its own free-count check reads the

@@ -563,10 +563,12 @@ def plugin_frames(fn: Callable[[], object]) -> list[str]:
 
 
 @check
-def a_round_trip_and_a_free_count_enter_no_python_frame_of_the_plugin(name: str) -> None:
-    # Issue 12: vLLM's per-request calls (get_num_free_blocks, get_new_blocks
-    # and what it calls on the queue, free_blocks' prepend_n) are native
-    # while nothing is unusual; vLLM's own frames run as in stock vLLM.
+def a_round_trip_and_a_free_count_enter_only_the_plugins_two_methods(name: str) -> None:
+    # Issues 12 and 34: vLLM's per-request calls have one implementation, the
+    # native queue's (the count, get_new_blocks and what vLLM calls on the
+    # queue, free_blocks' prepend_n); the plugin's class methods are one
+    # frame each over it, and nothing else of the plugin runs while nothing
+    # is unusual. vLLM's own frames run as in stock vLLM.
     for caching in (False, True):
         with block_pool(name, pages=N // PER_PAGE, caching=caching) as p:
             p.free_blocks(p.get_new_blocks(3 * PER_PAGE))
@@ -577,11 +579,13 @@ def a_round_trip_and_a_free_count_enter_no_python_frame_of_the_plugin(name: str)
 
                 before = p.space.stats()
                 frames = plugin_frames(round_trip)
-                assert frames == [], (caching, n, frames)
+                # (vLLM's own get_new_blocks reads the free count once more.)
+                assert frames[:2] == ["get_num_free_blocks", "get_new_blocks"], (caching, n, frames)
+                assert set(frames[2:]) <= {"get_num_free_blocks"}, (caching, n, frames)
                 after = p.space.stats()
                 assert (after.allocs - before.allocs, after.frees - before.frees) == (1, 1)
                 assert p.free_block_queue.num_free_blocks == N - 1 and after.used_blocks == 0
-            # Off the common case the plugin's Python answers, as before: an
+            # Off the common case the plugin's slow path answers: an
             # allocation beyond the last count asks the count again.
             p.free_block_queue.promised = 0
             p.free_block_queue.num_free_blocks -= N  # vLLM's own count says no
