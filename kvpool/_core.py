@@ -1,8 +1,8 @@
 """The only module that imports the native extension.
 
-It turns the native core's failures (status tuples, and the ``Failure`` of
-the alloc/free hot path) into the :mod:`kvpool.errors` hierarchy so that no
-other module sees raw codes.
+It turns the native core's failures (the ``Outcome`` of the colder calls,
+and the ``Failure`` of the alloc/free hot path) into the :mod:`kvpool.errors`
+hierarchy so that no other module sees raw codes.
 """
 
 from __future__ import annotations

@@ -295,6 +295,77 @@ class LedgerSnapshot:
     def guarantee_of(self, row: TenantRow) -> int:
         """A tenant's guarantee in force: explicit, or the equal default share."""
 
+class Outcome:
+    """
+    A call's status: code (a CODE_* constant; CODE_OK when it worked) and message.
+    """
+
+    @property
+    def code(self) -> int: ...
+
+    @property
+    def message(self) -> str: ...
+
+class Trimmed(Outcome):
+    """Space.trim's outcome: the idle pages it released."""
+
+    @property
+    def released(self) -> int: ...
+
+class LimitResult(enum.Enum):
+    """How a revisioned limit or guarantee was taken."""
+
+    APPLIED = 0
+    """set under its revision"""
+
+    STALE = 1
+    """older than the revision in force: ignored"""
+
+    CONFLICT = 2
+    """the revision in force with another value: ignored"""
+
+    SAME = 3
+    """the revision and value in force already"""
+
+class SettingOutcome(Outcome):
+    """A limit's or guarantee's outcome: how it was taken."""
+
+    @property
+    def result(self) -> LimitResult: ...
+
+class DeviceMemory(Outcome):
+    """A CUDA device's free and total bytes."""
+
+    @property
+    def free_bytes(self) -> int: ...
+
+    @property
+    def total_bytes(self) -> int: ...
+
+class PageOccupancy(Outcome):
+    """Per asked page: its used blocks and its state."""
+
+    @property
+    def used(self) -> Annotated[NDArray[numpy.int64], dict(shape=(None,))]: ...
+
+    @property
+    def states(self) -> Annotated[NDArray[numpy.int64], dict(shape=(None,))]: ...
+
+class Opened(Outcome):
+    """What an open made (a Ledger, a RankMemory); None on failure."""
+
+    @property
+    def value(self) -> object: ...
+
+class PageRanges:
+    """Per page p of a geometry, its blocks [first[p], last[p])."""
+
+    @property
+    def first(self) -> Annotated[NDArray[numpy.int64], dict(shape=(None,))]: ...
+
+    @property
+    def last(self) -> Annotated[NDArray[numpy.int64], dict(shape=(None,))]: ...
+
 def format_size(bytes: int) -> str:
     """
     Bytes as people read them: binary units, one decimal ('128.0 MiB', '1.0 PiB'); under 1 KiB 'N B'.
@@ -311,10 +382,10 @@ def cpu_granularity() -> int:
 def cuda_unavailable_reason() -> str:
     """Why the CUDA backend cannot be used here (empty when it can)."""
 
-def cuda_mem_info(device: int) -> tuple[int, int, int, str]:
-    """(code, free bytes, total bytes, message) of a CUDA device."""
+def cuda_mem_info(device: int) -> DeviceMemory:
+    """A CUDA device's free and total bytes (cuMemGetInfo)."""
 
-def page_ranges(page_bytes: int, block_bytes: int, num_blocks: int) -> tuple[object, object]:
+def page_ranges(page_bytes: int, block_bytes: int, num_blocks: int) -> PageRanges:
     """Per-page block ranges [first, last) of a geometry (the one formula)."""
 
 class Ledger:
@@ -332,9 +403,9 @@ class Ledger:
         Every live tenant in one pass (lock-free; never waits for another process).
         """
 
-    def set_setting(self, tenant: str, guarantee: bool, bytes: int, revision: int) -> tuple[int, int, str]:
+    def set_setting(self, tenant: str, guarantee: bool, bytes: int, revision: int) -> SettingOutcome:
         """
-        Set a tenant's limit (guarantee=False) or guarantee: (code, result: 0 applied 1 stale 2 conflict 3 same, message); revision < 0 = next.
+        Set a tenant's limit (guarantee=False) or guarantee; revision < 0 = next.
         """
 
     def reap(self) -> int:
@@ -345,8 +416,8 @@ class Ledger:
         Test hook: the next claim of this process stops it (SIGSTOP) with its claim pending.
         """
 
-def open_ledger(name: str, capacity: int, create: bool) -> tuple[int, str, object]:
-    """Open (or create) a pool ledger: (code, message, Ledger | None)."""
+def open_ledger(name: str, capacity: int, create: bool) -> Opened:
+    """Open (or create) a pool ledger: its value a Ledger, or None."""
 
 class Failure:
     """A failed alloc or free: nothing changed."""
@@ -403,18 +474,18 @@ class Space:
         Blocks a following alloc can deliver (waits for the space's mutex only without the GIL).
         """
 
-    def trim(self) -> tuple[int, int, str]:
-        """Release every idle committed page: (code, released, message)."""
+    def trim(self) -> Trimmed:
+        """Release every idle committed page: how many it released."""
 
-    def set_limit(self, limit_bytes: int, revision: int) -> tuple[int, int, str]:
+    def set_limit(self, limit_bytes: int, revision: int) -> SettingOutcome:
         """
-        Set and apply this tenant's one limit (-1: none); in a pool under `revision` (-1: next): (code, result: 0 applied 1 stale 2 conflict 3 same, message).
+        Set and apply this tenant's one limit (-1: none); in a pool under `revision` (-1: next).
         """
 
-    def set_reserve(self, min_pages: int, max_pages: int) -> tuple[int, str]: ...
+    def set_reserve(self, min_pages: int, max_pages: int) -> Outcome: ...
 
-    def page_occupancy(self, pages: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple[int, object, object, str]:
-        """(code, used blocks, page states, message)."""
+    def page_occupancy(self, pages: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> PageOccupancy:
+        """The used blocks and state of each page in `pages`."""
 
     def stats(self) -> SpaceStats: ...
 
@@ -424,19 +495,17 @@ class Space:
     def max_blocks(self) -> int:
         """The most blocks this tenant can ever hold (admission bound)."""
 
-    def set_guarantee(self, guarantee_bytes: int, revision: int) -> tuple[int, int, str]:
+    def set_guarantee(self, guarantee_bytes: int, revision: int) -> SettingOutcome:
         """
-        Set this tenant's guarantee (-1: the default share) under `revision` (-1: next): (code, result: 0 applied 1 stale 2 conflict 3 same, message).
-        """
-
-    def set_headroom(self, headroom_bytes: int) -> tuple[int, str]:
-        """
-        Bytes of this tenant's unused guarantee borrowers must leave free: (code, message).
+        Set this tenant's guarantee (-1: the default share) under `revision` (-1: next).
         """
 
-    def publish_freeing(self, freeing_bytes: int) -> tuple[int, str]:
+    def set_headroom(self, headroom_bytes: int) -> Outcome:
+        """Bytes of this tenant's unused guarantee borrowers must leave free."""
+
+    def publish_freeing(self, freeing_bytes: int) -> Outcome:
         """
-        Bytes this tenant's running requests free within the reclaim bound (budget.hpp, rule 6): (code, message).
+        Bytes this tenant's running requests free within the reclaim bound (budget.hpp, rule 6).
         """
 
     def free_preempted(self, ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], requests: int, tokens: int) -> object:
@@ -559,9 +628,9 @@ class RankMemory:
 
     def close(self) -> None: ...
 
-def attach_rank(pid: int, fd: int, nonce: int, rank: int, device: str) -> tuple[int, str, object]:
+def attach_rank(pid: int, fd: int, nonce: int, rank: int, device: str) -> Opened:
     """
-    Attach to a mirrored space's channel as `rank`: (code, message, RankMemory | None).
+    Attach to a mirrored space's channel as `rank`: its value a RankMemory, or None.
     """
 
 class TraceLevel:

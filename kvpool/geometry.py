@@ -164,8 +164,8 @@ class Geometry:
 
     @cached_property
     def _ranges(self) -> tuple[Any, Any]:
-        first, last = _core.native.page_ranges(self.page_bytes, self.region_block_bytes, self.blocks)
-        return first, last
+        r = _core.native.page_ranges(self.page_bytes, self.region_block_bytes, self.blocks)
+        return r.first, r.last
 
     @property
     def num_pages(self) -> int:

@@ -45,7 +45,6 @@ __all__ = ["MemoryCgroup", "Pool", "PoolSnapshot", "TenantInfo", "backing_memory
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _SHM = "/dev/shm"
 DEFAULT_FRACTION = 0.5
-_RESULTS = ("applied", "stale", "conflict", "same")
 
 
 def check_pool_name(name: object) -> str:
@@ -195,10 +194,10 @@ def default_capacity(device: str = "cpu") -> int:
     device = V.device(device)
     frac = _fraction()
     if device.startswith("cuda"):
-        code, free, _total, msg = _core.native.cuda_mem_info(int(device.partition(":")[2]))
-        if code != _core.CODE_OK:
-            raise LedgerError(f"cannot size a pool on {device}: {msg}")
-        free_bytes, what = int(free), f"{device} free memory"
+        mem = _core.native.cuda_mem_info(int(device.partition(":")[2]))
+        if mem.code != _core.CODE_OK:
+            raise LedgerError(f"cannot size a pool on {device}: {mem.message}")
+        free_bytes, what = int(mem.free_bytes), f"{device} free memory"
     else:
         free_bytes, what = _meminfo("MemAvailable"), "MemAvailable"
         cg = cgroup_memory()
@@ -219,8 +218,8 @@ def backing_memory(device: str = "cpu") -> tuple[int, str] | None:
     ``None`` where the device cannot say."""
     device = V.device(device)
     if device.startswith("cuda"):
-        code, _free, total, _msg = _core.native.cuda_mem_info(int(device.partition(":")[2]))
-        return (int(total), f"{device} total memory") if code == _core.CODE_OK else None
+        mem = _core.native.cuda_mem_info(int(device.partition(":")[2]))
+        return (int(mem.total_bytes), f"{device} total memory") if mem.code == _core.CODE_OK else None
     total, what = _meminfo("MemTotal"), "MemTotal"
     cg = cgroup_memory()
     if cg is not None and cg.limit < total:
@@ -322,13 +321,13 @@ class Pool:
                     "to create it anyway (commits beyond the backing are OOM-killed, not refused)"
                 )
         cap = capacity if capacity is not None else (default_capacity(device) if create else 0)
-        _code, msg, ledger = _core.native.open_ledger(name, cap, create)
-        if ledger is None:
-            if _code == _core.CODE_INVALID and "capacity" in msg:
-                raise ValueError(msg)
-            raise LedgerError(msg)
+        opened = _core.native.open_ledger(name, cap, create)
+        if opened.value is None:
+            if opened.code == _core.CODE_INVALID and "capacity" in opened.message:
+                raise ValueError(opened.message)
+            raise LedgerError(opened.message)
         self.name = name
-        self._ledger = cast(_core.native.Ledger, ledger)
+        self._ledger = cast(_core.native.Ledger, opened.value)
         if capacity is not None and self._ledger.capacity != capacity:
             raise LedgerError(
                 f"pool {name!r} exists with capacity {format_size_exact(self._ledger.capacity)}, not the "
@@ -382,13 +381,13 @@ class Pool:
         tenant = V.text("tenant", tenant)
         value = V.optional_integer(what, value)
         revision = V.optional_integer("revision", revision, hi=2**53)
-        code, result, msg = self._ledger.set_setting(tenant, guarantee, -1 if value is None else value,
-                                                     -1 if revision is None else revision)
-        if code == _core.CODE_INVALID:
-            raise ValueError(msg)
-        if code != _core.CODE_OK:
-            raise LedgerError(msg)
-        return _RESULTS[result]
+        out = self._ledger.set_setting(tenant, guarantee, -1 if value is None else value,
+                                       -1 if revision is None else revision)
+        if out.code == _core.CODE_INVALID:
+            raise ValueError(out.message)
+        if out.code != _core.CODE_OK:
+            raise LedgerError(out.message)
+        return out.result.name.lower()  # applied, stale, conflict or same
 
     def set_limit(self, tenant: str, limit_bytes: int | None, *, revision: int | None = None) -> str:
         """Cap a tenant's committed bytes; returns ``applied``, ``stale``, ``conflict`` or ``same``.

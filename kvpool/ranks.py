@@ -85,13 +85,13 @@ class RankMemory:
             raise TypeError(f"handle must be a kvpool.RankHandle, got {type(handle).__name__}")
         rank = V.integer("rank", rank, hi=handle.num_ranks - 1)
         device = V.device(device)
-        code, msg, native = _core.native.attach_rank(V.integer("handle.pid", handle.pid, lo=1, hi=2**31 - 1),
-                                                     V.integer("handle.fd", handle.fd, hi=2**31 - 1),
-                                                     V.integer("handle.nonce", handle.nonce, lo=1, hi=2**64 - 1),
-                                                     rank, device)
-        if native is None:
-            _core.raise_status(code, f"cannot attach rank {rank} on {device}: {msg}")
-        self._mem = cast(_core.native.RankMemory, native)
+        opened = _core.native.attach_rank(V.integer("handle.pid", handle.pid, lo=1, hi=2**31 - 1),
+                                          V.integer("handle.fd", handle.fd, hi=2**31 - 1),
+                                          V.integer("handle.nonce", handle.nonce, lo=1, hi=2**64 - 1),
+                                          rank, device)
+        if opened.value is None:
+            _core.raise_status(opened.code, f"cannot attach rank {rank} on {device}: {opened.message}")
+        self._mem = cast(_core.native.RankMemory, opened.value)
         self.rank = rank
         self.device = device
         self.handle = handle

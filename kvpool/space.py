@@ -298,10 +298,10 @@ class KVSpace(_SpaceFace):
 
     def trim(self) -> int:
         """Release every idle committed page now; returns the number released."""
-        code, released, msg = self._space.trim()
-        if code != _core.CODE_OK:
-            _core.raise_status(code, msg)
-        return int(released)
+        out = self._space.trim()
+        if out.code != _core.CODE_OK:
+            _core.raise_status(out.code, out.message)
+        return int(out.released)
 
     def set_limit(self, limit_bytes: int | None) -> None:
         """Cap committed memory. Growth stops at once; pages go back as they empty.
@@ -318,10 +318,10 @@ class KVSpace(_SpaceFace):
         """
         limit = self._limit_arg(limit_bytes)
         revision = V.integer("revision", revision, lo=-1)
-        code, result, msg = self._space.set_limit(limit, revision)
-        if code != _core.CODE_OK:
-            _core.raise_status(code, msg)
-        return ("applied", "stale", "conflict", "same")[result]
+        out = self._space.set_limit(limit, revision)
+        if out.code != _core.CODE_OK:
+            _core.raise_status(out.code, out.message)
+        return out.result.name.lower()  # applied, stale, conflict or same
 
     def limit_setting(self) -> tuple[int | None, int]:
         """(limit bytes, revision) in force (in the pool ledger, or the private budget)."""
@@ -334,10 +334,10 @@ class KVSpace(_SpaceFace):
 
     def _set_guarantee(self, guarantee_bytes: int | None, revision: int) -> str:
         """Set the guarantee under ``revision`` (-1: next); returns how the pool took it."""
-        code, result, msg = self._space.set_guarantee(self._limit_arg(guarantee_bytes, "guarantee_bytes"), revision)
-        if code != _core.CODE_OK:
-            _core.raise_status(code, msg)
-        return ("applied", "stale", "conflict", "same")[result]
+        out = self._space.set_guarantee(self._limit_arg(guarantee_bytes, "guarantee_bytes"), revision)
+        if out.code != _core.CODE_OK:
+            _core.raise_status(out.code, out.message)
+        return out.result.name.lower()  # applied, stale, conflict or same
 
     def set_headroom(self, headroom_bytes: int) -> None:
         """Ask borrowers to leave up to ``headroom_bytes`` of this tenant's unused guarantee free.
@@ -353,9 +353,9 @@ class KVSpace(_SpaceFace):
         headroom = self._headroom_arg(headroom_bytes, pooled=self.pool is not None)
         if self.pool is None:
             return  # 0 asked of a private space: nothing to keep free
-        code, msg = self._space.set_headroom(headroom)
-        if code != _core.CODE_OK:
-            _core.raise_status(code, msg)
+        out = self._space.set_headroom(headroom)
+        if out.code != _core.CODE_OK:
+            _core.raise_status(out.code, out.message)
 
     def budget(self) -> BudgetStats:
         """The tenant's budget: limit, guarantee, what it borrows, whether it lends
@@ -373,9 +373,9 @@ class KVSpace(_SpaceFace):
         (:meth:`budget`). Owner-written, not revisioned; >= 0.
         """
         self._check_open()
-        code, msg = self._space.publish_freeing(V.integer("freeing_bytes", freeing_bytes))
-        if code != _core.CODE_OK:
-            _core.raise_status(code, msg)
+        out = self._space.publish_freeing(V.integer("freeing_bytes", freeing_bytes))
+        if out.code != _core.CODE_OK:
+            _core.raise_status(out.code, out.message)
 
     def free_preempted(self, blocks: Iterable[int] | BlockIds | torch.Tensor, *, requests: int,
                        tokens: int) -> None:
@@ -397,9 +397,9 @@ class KVSpace(_SpaceFace):
     def set_reserve(self, min_pages: int, max_pages: int) -> None:
         """Keep between ``min_pages`` and ``max_pages`` committed idle pages."""
         lo, hi = V.integer("min_pages", min_pages), V.integer("max_pages", max_pages)
-        code, msg = self._space.set_reserve(lo, hi)
-        if code != _core.CODE_OK:
-            _core.raise_status(code, msg)
+        out = self._space.set_reserve(lo, hi)
+        if out.code != _core.CODE_OK:
+            _core.raise_status(out.code, out.message)
 
     # -- observation --------------------------------------------------------
     def stats(self) -> SpaceStats:
@@ -409,15 +409,14 @@ class KVSpace(_SpaceFace):
         """State and used-block count of ``pages`` (all pages by default)."""
         g = self.geometry
         arr = np.arange(g.num_pages, dtype=np.int64) if pages is None else V.int_array("page ids", pages)
-        code, used_obj, state_obj, msg = self._space.page_occupancy(np.ascontiguousarray(arr))
-        used, state = cast(BlockIds, used_obj), cast(BlockIds, state_obj)
-        if code != _core.CODE_OK:
-            if code == _core.CODE_INVALID:
-                raise IndexError(msg)
-            _core.raise_status(code, msg)
+        occ = self._space.page_occupancy(np.ascontiguousarray(arr))
+        if occ.code != _core.CODE_OK:
+            if occ.code == _core.CODE_INVALID:
+                raise IndexError(occ.message)
+            _core.raise_status(occ.code, occ.message)
         return [
             PageInfo(int(p), _STATE_NAMES[int(s)], int(u), len(g.block_range(int(p))))
-            for p, u, s in zip(arr, used, state)
+            for p, u, s in zip(arr, occ.used, occ.states)
         ]
 
     def allocated_bytes(self) -> int:

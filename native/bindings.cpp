@@ -3,12 +3,12 @@
 // core never calls back into Python; only the hot path's faces
 // (bindings_hot.cpp) call their owner's Python methods, on the caller's
 // thread with the GIL held, for what is not their common case.
-// The colder calls answer (code, ...) tuples; kvpool/_core.py turns codes
-// into the kvpool.errors hierarchy.
+// The colder calls answer an Outcome (bindings.hpp): a code and a message,
+// and the call's own values by name; kvpool/_core.py turns codes into the
+// kvpool.errors hierarchy.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
-#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
@@ -35,6 +35,7 @@ using kvpool::Ledger;
 using kvpool::Status;
 using kvpool::bind::IdArray;
 using kvpool::bind::new_id_array;
+using kvpool::bind::Outcome;
 
 namespace kvpool::bind {
 // numpy's C API is loaded on the first space, not at import: the operator
@@ -158,6 +159,35 @@ NB_MODULE(_native, m) {
         .def("guarantee_of", &kvpool::LedgerSnapshot::guarantee_of, "row"_a,
              "A tenant's guarantee in force: explicit, or the equal default share.");
 
+    nb::class_<Outcome>(m, "Outcome", "A call's status: code (a CODE_* constant; CODE_OK when it worked) and message.")
+        .def_ro("code", &Outcome::code)
+        .def_ro("message", &Outcome::message);
+    nb::class_<kvpool::bind::Trimmed, Outcome>(m, "Trimmed", "Space.trim's outcome: the idle pages it released.")
+        .def_ro("released", &kvpool::bind::Trimmed::released);
+    nb::enum_<kvpool::LimitResult>(m, "LimitResult", "How a revisioned limit or guarantee was taken.")
+        .value("APPLIED", kvpool::LimitResult::Applied, "set under its revision")
+        .value("STALE", kvpool::LimitResult::Stale, "older than the revision in force: ignored")
+        .value("CONFLICT", kvpool::LimitResult::Conflict, "the revision in force with another value: ignored")
+        .value("SAME", kvpool::LimitResult::Same, "the revision and value in force already");
+    nb::class_<kvpool::bind::SettingOutcome, Outcome>(m, "SettingOutcome",
+                                                      "A limit's or guarantee's outcome: how it was taken.")
+        .def_ro("result", &kvpool::bind::SettingOutcome::result);
+    nb::class_<kvpool::bind::DeviceMemory, Outcome>(m, "DeviceMemory", "A CUDA device's free and total bytes.")
+        .def_ro("free_bytes", &kvpool::bind::DeviceMemory::free_bytes)
+        .def_ro("total_bytes", &kvpool::bind::DeviceMemory::total_bytes);
+    // The arrays own their buffers (new_id_array's capsule), so a field hands
+    // out a view of them, not a copy (reference_internal is refused for an
+    // array with an owner).
+    nb::class_<kvpool::bind::PageOccupancy, Outcome>(m, "PageOccupancy",
+                                                     "Per asked page: its used blocks and its state.")
+        .def_ro("used", &kvpool::bind::PageOccupancy::used, nb::rv_policy::reference)
+        .def_ro("states", &kvpool::bind::PageOccupancy::states, nb::rv_policy::reference);
+    nb::class_<kvpool::bind::Opened, Outcome>(m, "Opened", "What an open made (a Ledger, a RankMemory); None on failure.")
+        .def_ro("value", &kvpool::bind::Opened::value);
+    nb::class_<kvpool::bind::PageRanges>(m, "PageRanges", "Per page p of a geometry, its blocks [first[p], last[p]).")
+        .def_ro("first", &kvpool::bind::PageRanges::first, nb::rv_policy::reference)
+        .def_ro("last", &kvpool::bind::PageRanges::last, nb::rv_policy::reference);
+
     m.def("format_size", &kvpool::format_size, "bytes"_a,
           "Bytes as people read them: binary units, one decimal ('128.0 MiB', '1.0 PiB'); under 1 KiB 'N B'.");
     m.def("format_size_exact", &kvpool::format_size_exact, "bytes"_a,
@@ -174,23 +204,26 @@ NB_MODULE(_native, m) {
                 nb::gil_scoped_release nogil;
                 st = kvpool::cuda_mem_info(device, &f, &t);
             }
-            return std::make_tuple(static_cast<int>(st.code), f, t, st.message);
+            kvpool::bind::DeviceMemory r{Outcome(std::move(st))};
+            r.free_bytes = f;
+            r.total_bytes = t;
+            return r;
         },
-        "device"_a, "(code, free bytes, total bytes, message) of a CUDA device.");
+        "device"_a, "A CUDA device's free and total bytes (cuMemGetInfo).");
 
     m.def(
         "page_ranges",
         [](int64_t page_bytes, int64_t block_bytes, int64_t num_blocks) {
             const int64_t np = kvpool::num_pages_for(page_bytes, block_bytes, num_blocks);
             int64_t *first, *last;
-            IdArray a = new_id_array(static_cast<size_t>(np), &first);
-            IdArray b = new_id_array(static_cast<size_t>(np), &last);
+            kvpool::bind::PageRanges ranges{new_id_array(static_cast<size_t>(np), &first),
+                                            new_id_array(static_cast<size_t>(np), &last)};
             for (int64_t p = 0; p < np; ++p) {
                 auto r = kvpool::page_block_range(page_bytes, block_bytes, num_blocks, p);
                 first[p] = r.first;
                 last[p] = r.last;
             }
-            return std::make_tuple(nb::object(nb::cast(a)), nb::object(nb::cast(b)));
+            return ranges;
         },
         "page_bytes"_a, "block_bytes"_a, "num_blocks"_a,
         "Per-page block ranges [first, last) of a geometry (the one formula).");
@@ -213,11 +246,12 @@ NB_MODULE(_native, m) {
                     if (st.is_ok())
                         st = guarantee ? l.set_guarantee(slot, bytes, revision, &r) : l.set_limit(slot, bytes, revision, &r);
                 }
-                return std::make_tuple(static_cast<int>(st.code), static_cast<int>(r), st.message);
+                kvpool::bind::SettingOutcome out{Outcome(std::move(st))};
+                out.result = r;
+                return out;
             },
             "tenant"_a, "guarantee"_a, "bytes"_a, "revision"_a,
-            "Set a tenant's limit (guarantee=False) or guarantee: (code, result: 0 applied 1 stale 2 conflict "
-            "3 same, message); revision < 0 = next.")
+            "Set a tenant's limit (guarantee=False) or guarantee; revision < 0 = next.")
         .def("reap", &Ledger::reap, nb::call_guard<nb::gil_scoped_release>(),
              "Reap dead tenants of this PID namespace; returns how many.")
         .def("inject_stop_mid_claim", &Ledger::inject_stop_mid_claim,
@@ -232,10 +266,11 @@ NB_MODULE(_native, m) {
                 nb::gil_scoped_release nogil;
                 l = Ledger::open(name, capacity, create, &st);
             }
-            nb::object obj = l ? nb::cast(l) : nb::none();
-            return std::make_tuple(static_cast<int>(st.code), st.message, obj);
+            kvpool::bind::Opened out{Outcome(std::move(st))};
+            out.value = l ? nb::cast(l) : nb::none();
+            return out;
         },
-        "name"_a, "capacity"_a, "create"_a, "Open (or create) a pool ledger: (code, message, Ledger | None).");
+        "name"_a, "capacity"_a, "create"_a, "Open (or create) a pool ledger: its value a Ledger, or None.");
 
 
     kvpool::bind::bind_space(m);

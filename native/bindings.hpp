@@ -1,5 +1,6 @@
-// What the binding files share: the module's id arrays and each file's entry
-// point. bindings.cpp defines the module (figures, ledger, helpers);
+// What the binding files share: the module's id arrays, the colder calls'
+// result types (Outcome and its kinds) and each file's entry point.
+// bindings.cpp defines the module (figures, ledger, results, helpers);
 // bindings_space.cpp binds a Space, its hot path and create_space.
 #pragma once
 
@@ -9,6 +10,9 @@
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "ledger.hpp"
+#include "status.hpp"
 
 namespace kvpool {
 class Space;
@@ -36,6 +40,44 @@ struct Failure {
     int64_t available = 0;   // blocks available after the failed call
     int64_t max_blocks = 0;  // an Unsatisfiable alloc: the most this tenant can ever hold
     std::vector<int64_t> bad_ids;  // a refused free: the offending ids
+};
+
+// What a colder call answers (bindings.cpp binds them): its status, and on
+// a subclass the call's own named values, each read by name in Python
+// (kvpool/_core.raise_status turns a code into the kvpool.errors hierarchy).
+struct Outcome {
+    int code = 0;
+    std::string message;
+    Outcome() = default;
+    explicit Outcome(Status st) : code(static_cast<int>(st.code)), message(std::move(st.message)) {}
+};
+// Space.trim: the idle pages it released.
+struct Trimmed : Outcome {
+    int64_t released = 0;
+};
+// A revisioned setting (a limit or a guarantee): how the budget took it.
+struct SettingOutcome : Outcome {
+    LimitResult result = LimitResult::Applied;
+};
+// cuda_mem_info: cuMemGetInfo's figures.
+struct DeviceMemory : Outcome {
+    int64_t free_bytes = 0;
+    int64_t total_bytes = 0;
+};
+// Space.page_occupancy: per asked page, its used blocks and state.
+struct PageOccupancy : Outcome {
+    IdArray used;
+    IdArray states;
+};
+// open_ledger, attach_rank: what was opened (a Ledger, a RankMemory), None
+// on failure.
+struct Opened : Outcome {
+    nanobind::object value;
+};
+// page_ranges: the blocks [first[p], last[p]) of each page p.
+struct PageRanges {
+    IdArray first;
+    IdArray last;
 };
 
 // The hot path as every face runs it (bindings_space.cpp). alloc_ids: n ids

@@ -2,7 +2,6 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
-#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/unique_ptr.h>
 
 #include <memory>
@@ -58,9 +57,10 @@ void kvpool::bind::bind_mirror(nb::module_& m) {
                 nb::gil_scoped_release nogil;
                 rm = RankMemory::attach(pid, fd, nonce, rank, device, &st);
             }
-            nb::object obj = rm ? nb::cast(std::move(rm)) : nb::none();
-            return std::make_tuple(static_cast<int>(st.code), st.message, obj);
+            kvpool::bind::Opened out{kvpool::bind::Outcome(std::move(st))};
+            out.value = rm ? nb::cast(std::move(rm)) : nb::none();
+            return out;
         },
         "pid"_a, "fd"_a, "nonce"_a, "rank"_a, "device"_a,
-        "Attach to a mirrored space's channel as `rank`: (code, message, RankMemory | None).");
+        "Attach to a mirrored space's channel as `rank`: its value a RankMemory, or None.");
 }

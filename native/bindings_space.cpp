@@ -39,6 +39,8 @@ using kvpool::Status;
 using kvpool::bind::IdArray;
 using kvpool::bind::new_id_array;
 using kvpool::bind::Failure;
+using kvpool::bind::Outcome;
+using kvpool::bind::SettingOutcome;
 using kvpool::bind::alloc_ids;
 using kvpool::bind::free_ids;
 using kvpool::bind::id_buffer;
@@ -338,9 +340,11 @@ void kvpool::bind::bind_space(nb::module_& m) {
                     nb::gil_scoped_release nogil;
                     st = s.trim(&released);
                 }
-                return std::make_tuple(static_cast<int>(st.code), released, st.message);
+                kvpool::bind::Trimmed out{Outcome(std::move(st))};
+                out.released = released;
+                return out;
             },
-            "Release every idle committed page: (code, released, message).")
+            "Release every idle committed page: how many it released.")
         .def(
             "set_limit",
             [](Space& s, int64_t bytes, int64_t revision) {
@@ -350,11 +354,12 @@ void kvpool::bind::bind_space(nb::module_& m) {
                     nb::gil_scoped_release nogil;
                     st = s.set_limit(bytes, revision, &r);
                 }
-                return std::make_tuple(static_cast<int>(st.code), static_cast<int>(r), st.message);
+                SettingOutcome out{Outcome(std::move(st))};
+                out.result = r;
+                return out;
             },
             "limit_bytes"_a, "revision"_a,
-            "Set and apply this tenant's one limit (-1: none); in a pool under `revision` (-1: next): "
-            "(code, result: 0 applied 1 stale 2 conflict 3 same, message).")
+            "Set and apply this tenant's one limit (-1: none); in a pool under `revision` (-1: next).")
         .def(
             "set_reserve",
             [](Space& s, int64_t lo, int64_t hi) {
@@ -363,7 +368,7 @@ void kvpool::bind::bind_space(nb::module_& m) {
                     nb::gil_scoped_release nogil;
                     st = s.set_reserve(lo, hi);
                 }
-                return std::make_tuple(static_cast<int>(st.code), st.message);
+                return Outcome(std::move(st));
             },
             "min_pages"_a, "max_pages"_a)
         .def(
@@ -378,10 +383,12 @@ void kvpool::bind::bind_space(nb::module_& m) {
                     nb::gil_scoped_release nogil;
                     st = s.page_occupancy(pages.data(), static_cast<int64_t>(n), used, state);
                 }
-                return std::make_tuple(static_cast<int>(st.code), nb::object(nb::cast(u)), nb::object(nb::cast(t)),
-                                       st.message);
+                kvpool::bind::PageOccupancy out{Outcome(std::move(st))};
+                out.used = std::move(u);
+                out.states = std::move(t);
+                return out;
             },
-            "pages"_a, "(code, used blocks, page states, message).")
+            "pages"_a, "The used blocks and state of each page in `pages`.")
         .def("stats", &Space::stats, nb::call_guard<nb::gil_scoped_release>())
         .def("budget", &Space::budget, nb::call_guard<nb::gil_scoped_release>(),
              "The tenant's budget figures (refreshed from the pool).")
@@ -396,11 +403,12 @@ void kvpool::bind::bind_space(nb::module_& m) {
                     nb::gil_scoped_release nogil;
                     st = s.set_guarantee(bytes, revision, &r);
                 }
-                return std::make_tuple(static_cast<int>(st.code), static_cast<int>(r), st.message);
+                SettingOutcome out{Outcome(std::move(st))};
+                out.result = r;
+                return out;
             },
             "guarantee_bytes"_a, "revision"_a,
-            "Set this tenant's guarantee (-1: the default share) under `revision` (-1: next): "
-            "(code, result: 0 applied 1 stale 2 conflict 3 same, message).")
+            "Set this tenant's guarantee (-1: the default share) under `revision` (-1: next).")
         .def(
             "set_headroom",
             [](Space& s, int64_t bytes) {
@@ -409,10 +417,10 @@ void kvpool::bind::bind_space(nb::module_& m) {
                     nb::gil_scoped_release nogil;
                     st = s.set_headroom(bytes);
                 }
-                return std::make_tuple(static_cast<int>(st.code), st.message);
+                return Outcome(std::move(st));
             },
             "headroom_bytes"_a,
-            "Bytes of this tenant's unused guarantee borrowers must leave free: (code, message).")
+            "Bytes of this tenant's unused guarantee borrowers must leave free.")
         .def(
             "publish_freeing",
             [](Space& s, int64_t bytes) {
@@ -421,11 +429,10 @@ void kvpool::bind::bind_space(nb::module_& m) {
                     nb::gil_scoped_release nogil;
                     st = s.publish_freeing(bytes);
                 }
-                return std::make_tuple(static_cast<int>(st.code), st.message);
+                return Outcome(std::move(st));
             },
             "freeing_bytes"_a,
-            "Bytes this tenant's running requests free within the reclaim bound (budget.hpp, rule 6): "
-            "(code, message).")
+            "Bytes this tenant's running requests free within the reclaim bound (budget.hpp, rule 6).")
         .def(
             "free_preempted",
             [](Space& s, IdInput ids, int64_t requests, int64_t tokens) -> nb::object {
@@ -566,6 +573,8 @@ void kvpool::bind::bind_space(nb::module_& m) {
                 if (backend && st.is_ok()) space = Space::create(cfg, std::move(backend), ledger, slot, &st);
             }
             nb::object obj = space ? nb::cast(std::move(space)) : nb::none();
+            // Still a tuple: its one caller, KVSpace.__init__, is being
+            // rewritten with the hot path (issue 34); then an Opened.
             return std::make_tuple(static_cast<int>(st.code), st.message, obj);
         },
         "num_regions"_a, "page_bytes"_a, "block_bytes"_a, "num_blocks"_a, "null_block"_a, "reserve_min"_a,

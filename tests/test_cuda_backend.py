@@ -216,8 +216,8 @@ def test_the_retained_primary_context_is_released(fake: ctypes.CDLL) -> None:
     # The space object is gone: every handle, mapping and reservation with it.
     assert fake.fake_cuda_primary_refs(0) == 0
     assert fake.fake_cuda_live_handles() == 0 and fake.fake_cuda_allocated() == 0 and fake.fake_cuda_mappings() == 0
-    code, free, total, _ = kvpool._core.native.cuda_mem_info(0)
-    assert code == 0 and free == total
+    mem = kvpool._core.native.cuda_mem_info(0)
+    assert mem.code == 0 and mem.free_bytes == mem.total_bytes
     assert fake.fake_cuda_primary_refs(0) == 0 and _current(fake) is None
 
 

@@ -42,9 +42,9 @@ def real_cuda() -> None:
 def _driver_free() -> int:
     """Free device bytes per cuMemGetInfo (not torch's caching allocator)."""
     torch.cuda.synchronize()
-    code, free, _total, msg = kvpool._core.native.cuda_mem_info(torch.cuda.current_device())
-    assert code == 0, msg
-    return int(free)
+    mem = kvpool._core.native.cuda_mem_info(torch.cuda.current_device())
+    assert mem.code == 0, mem.message
+    return int(mem.free_bytes)
 
 
 @pytest.fixture
