@@ -562,7 +562,7 @@ class Space:
 
     def close(self) -> None: ...
 
-def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, idle_release_s: float, limit_bytes: int, guarantee_bytes: int, headroom_bytes: int, device: str, ledger: Ledger | None, tenant: str, rank_regions: Sequence[int] = [], rank_timeout_s: float = 5.0) -> tuple[int, str, object]:
+def create_space(num_regions: int, page_bytes: int, block_bytes: int, num_blocks: int, null_block: bool, reserve_min: int, reserve_max: int, reserve_thread: bool, idle_release_s: float, limit_bytes: int, guarantee_bytes: int, headroom_bytes: int, device: str, ledger: Ledger | None, tenant: str, rank_regions: Sequence[int] = [], rank_timeout_s: float = 5.0) -> Opened:
     """
     Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None). With rank_regions, a mirrored space whose ranks' processes hold the memory (RankMemory).
     """

@@ -141,7 +141,7 @@ class KVSpace(_SpaceFace):
         self.pool = Pool(pool, device=device) if isinstance(pool, str) else pool
         self.name = name if name is not None else f"{os.getpid()}-{next(_tenant_ids)}"
         try:
-            code, msg, space = _core.native.create_space(
+            opened = _core.native.create_space(
                 geometry.num_regions, geometry.page_bytes, geometry.region_block_bytes, geometry.blocks,
                 null_block, lo, hi, reserve_thread, idle_release_s, limit, guarantee, headroom, device,
                 self.pool._ledger if self.pool is not None else None, self.name, list(rank_regions),
@@ -155,6 +155,7 @@ class KVSpace(_SpaceFace):
                 f"cannot create KV space on {device}: cannot start its threads ({e}); the process or its "
                 "pids cgroup may be out of threads"
             ) from e
+        code, msg, space = opened.code, opened.message, opened.value
         if space is None:
             if code == _core.CODE_INVALID and msg.startswith("guarantee_bytes="):
                 raise ValueError(msg)

@@ -7,7 +7,6 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
-#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
@@ -572,10 +571,9 @@ void kvpool::bind::bind_space(nb::module_& m) {
                 // with the GIL released another thread may hold it by now.
                 if (backend && st.is_ok()) space = Space::create(cfg, std::move(backend), ledger, slot, &st);
             }
-            nb::object obj = space ? nb::cast(std::move(space)) : nb::none();
-            // Still a tuple: its one caller, KVSpace.__init__, is being
-            // rewritten with the hot path (issue 34); then an Opened.
-            return std::make_tuple(static_cast<int>(st.code), st.message, obj);
+            kvpool::bind::Opened out{kvpool::bind::Outcome(std::move(st))};
+            out.value = space ? nb::cast(std::move(space)) : nb::none();
+            return out;
         },
         "num_regions"_a, "page_bytes"_a, "block_bytes"_a, "num_blocks"_a, "null_block"_a, "reserve_min"_a,
         "reserve_max"_a, "reserve_thread"_a, "idle_release_s"_a, "limit_bytes"_a, "guarantee_bytes"_a,
