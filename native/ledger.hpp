@@ -270,6 +270,18 @@ private:
     Status write_setting(int slot, bool guarantee, int64_t bytes, int64_t revision, LimitResult* result);
     bool reap_slot(int slot);
     void free_slot(int slot);  // one clearing for a tenant leaving and a dead one reaped
+    // register_tenant's steps. The explicit guarantees' sum with `extra`
+    // added, against the capacity (an Invalid "does not fit" status, or ok).
+    Status guarantee_fits(int64_t extra, bool published) const;
+    // A free slot taken for this process (pid CAS, then its liveness lock), or -1.
+    int take_free_slot(int32_t me);
+    // The taken slot filled in (name, start time, settings) and made live.
+    void publish_slot(int slot, const std::string& name, uint64_t start, int64_t limit_bytes,
+                      int64_t guarantee_bytes);
+    // Another live slot with this slot's name.
+    bool has_twin(int slot) const;
+    // A published slot taken back (not live, pid cleared, lock dropped).
+    void withdraw_slot(int slot);
     // The slot's liveness lock (see the top): take without waiting (false if
     // another open file holds it), or drop.
     bool lock_slot(int slot) const;

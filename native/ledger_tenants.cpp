@@ -149,6 +149,72 @@ static void clear_figures(TenantSlot& t) {
     t.reclaimed_preemption.store(0);
 }
 
+Status Ledger::guarantee_fits(int64_t extra, bool published) const {
+    const LedgerSnapshot s = snapshot(false);
+    int64_t sum = published ? 0 : extra;
+    for (const auto& r : s.rows)
+        if (r.guarantee >= 0) sum += r.guarantee;
+    if (sum <= s.capacity) return Status::ok();
+    return Status::make(Code::Invalid, "guarantee_bytes=" + std::to_string(extra) + " (" + format_size(extra) +
+                                           ") does not fit pool '" + name_ + "': explicit guarantees " +
+                                           (published ? "would hold " : "hold ") +
+                                           format_size_exact(published ? sum : sum - extra) + " of its " +
+                                           format_size_exact(s.capacity));
+}
+
+int Ledger::take_free_slot(int32_t me) {
+    for (int i = 0; i < kMaxTenants; ++i) {
+        int32_t expect = 0;
+        if (!hdr_->tenants[i].pid.compare_exchange_strong(expect, me, kSeq)) continue;
+        hdr_->tenants[i].pidns.store(my_pidns_, kSeq);  // first: a reaper can judge the slot from here on
+        // The liveness lock, before the slot goes live. Held elsewhere: a
+        // reaper judging it this instant, or a forked child of a dead
+        // owner that inherited the open file. Not ours to wait for: next slot.
+        if (lock_slot(i)) return i;
+        hdr_->tenants[i].pidns.store(0, kSeq);
+        hdr_->tenants[i].pid.store(0, kSeq);
+    }
+    return -1;
+}
+
+void Ledger::publish_slot(int slot, const std::string& name, uint64_t start, int64_t limit_bytes,
+                          int64_t guarantee_bytes) {
+    TenantSlot& t = hdr_->tenants[slot];
+    t.start_time.store(start, kSeq);
+    std::memset(t.name, 0, sizeof(t.name));
+    std::memcpy(t.name, name.data(), name.size());
+    clear_figures(t);  // a reaper may have died before clearing them
+    SlotSettings& st = t.settings;
+    // Nobody else writes a slot that is not live yet: take the seqlock
+    // plainly, past any odd value a dead writer left behind.
+    const uint64_t seq = (st.seq.load() | 1) + 1;
+    st.seq.store(seq - 1);
+    st.limit.store(limit_bytes < 0 ? -1 : limit_bytes);
+    st.limit_revision.store(0);
+    st.guarantee.store(guarantee_bytes < 0 ? -1 : guarantee_bytes);
+    st.guarantee_revision.store(0);
+    st.seq.store(seq, std::memory_order_release);
+    t.live.store(1, kSeq);
+}
+
+bool Ledger::has_twin(int slot) const {
+    const TenantSlot& t = hdr_->tenants[slot];
+    for (int i = 0; i < kMaxTenants; ++i) {
+        if (i == slot) continue;
+        const TenantSlot& o = hdr_->tenants[i];
+        if (o.pid.load(kSeq) > 0 && o.live.load(kSeq) == 1 && std::strncmp(o.name, t.name, kNameBytes) == 0)
+            return true;
+    }
+    return false;
+}
+
+void Ledger::withdraw_slot(int slot) {
+    TenantSlot& t = hdr_->tenants[slot];
+    t.live.store(0, kSeq);
+    t.pid.store(0, kSeq);
+    unlock_slot(slot);
+}
+
 Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int64_t guarantee_bytes, int* slot) {
     if (!valid_name(name))
         return Status::make(Code::Invalid, "bad tenant name " + quoted_name(name) +
@@ -158,15 +224,8 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
     const int32_t me = static_cast<int32_t>(getpid());
     const uint64_t start = process_start_time(me);
     if (guarantee_bytes >= 0) {
-        const LedgerSnapshot s = snapshot();
-        int64_t explicit_sum = 0;
-        for (const auto& r : s.rows)
-            if (r.guarantee >= 0) explicit_sum += r.guarantee;
-        if (explicit_sum + guarantee_bytes > s.capacity)
-            return Status::make(Code::Invalid, "guarantee_bytes=" + std::to_string(guarantee_bytes) + " (" +
-                                                   format_size(guarantee_bytes) + ") does not fit pool '" + name_ +
-                                                   "': explicit guarantees hold " + format_size_exact(explicit_sum) +
-                                                   " of its " + format_size_exact(s.capacity));
+        Status fits = guarantee_fits(guarantee_bytes, /*published=*/false);
+        if (!fits.is_ok()) return fits;
     }
     // Two tenants registering the same name at once: each publishes itself,
     // then looks for the other; of two SC store-then-load sequences at least
@@ -176,41 +235,12 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
             if (r.name == name)
                 return Status::make(Code::Invalid,
                                     "pool '" + name_ + "' already has a live tenant named " + quoted_name(name));
-        int mine = -1;
-        for (int i = 0; i < kMaxTenants && mine < 0; ++i) {
-            int32_t expect = 0;
-            if (!hdr_->tenants[i].pid.compare_exchange_strong(expect, me, kSeq)) continue;
-            hdr_->tenants[i].pidns.store(my_pidns_, kSeq);  // first: a reaper can judge the slot from here on
-            // The liveness lock, before the slot goes live. Held elsewhere: a
-            // reaper judging it this instant, or a forked child of a dead
-            // owner that inherited the open file. Not ours to wait for: next slot.
-            if (lock_slot(i)) {
-                mine = i;
-            } else {
-                hdr_->tenants[i].pidns.store(0, kSeq);
-                hdr_->tenants[i].pid.store(0, kSeq);
-            }
-        }
+        const int mine = take_free_slot(me);
         if (mine < 0)
             return Status::make(Code::Shortage, "pool '" + name_ + "' has no free tenant slot (max " +
                                                     std::to_string(kMaxTenants) + ")");
-        TenantSlot& t = hdr_->tenants[mine];
-        t.start_time.store(start, kSeq);
-        std::memset(t.name, 0, sizeof(t.name));
-        std::memcpy(t.name, name.data(), name.size());
-        clear_figures(t);  // a reaper may have died before clearing them
-        SlotSettings& st = t.settings;
-        // Nobody else writes a slot that is not live yet: take the seqlock
-        // plainly, past any odd value a dead writer left behind.
-        const uint64_t seq = (st.seq.load() | 1) + 1;
-        st.seq.store(seq - 1);
-        st.limit.store(limit_bytes < 0 ? -1 : limit_bytes);
-        st.limit_revision.store(0);
-        st.guarantee.store(guarantee_bytes < 0 ? -1 : guarantee_bytes);
-        st.guarantee_revision.store(0);
-        st.seq.store(seq, std::memory_order_release);
-        t.live.store(1, kSeq);
-        if (t.pid.load(kSeq) != me) {
+        publish_slot(mine, name, start, limit_bytes, guarantee_bytes);
+        if (hdr_->tenants[mine].pid.load(kSeq) != me) {
             // Reaped while registering (judged dead by a confused peer): the
             // slot is not ours any more; take another.
             unlock_slot(mine);
@@ -220,35 +250,18 @@ Status Ledger::register_tenant(const std::string& name, int64_t limit_bytes, int
             // Two tenants registering at once could both pass the check
             // above: re-check now that this one is published (SC: of two
             // racers at least one sees the other) and withdraw if over.
-            int64_t sum = 0;
-            for (const auto& r : snapshot(false).rows)
-                if (r.guarantee >= 0) sum += r.guarantee;
-            if (sum > hdr_->capacity) {
-                t.live.store(0, kSeq);
-                t.pid.store(0, kSeq);
-                unlock_slot(mine);
-                return Status::make(Code::Invalid, "guarantee_bytes=" + std::to_string(guarantee_bytes) + " (" +
-                                                       format_size(guarantee_bytes) + ") does not fit pool '" +
-                                                       name_ + "': explicit guarantees would hold " +
-                                                       format_size_exact(sum) + " of its " +
-                                                       format_size_exact(hdr_->capacity));
+            Status fits = guarantee_fits(guarantee_bytes, /*published=*/true);
+            if (!fits.is_ok()) {
+                withdraw_slot(mine);
+                return fits;
             }
         }
-        bool twin = false;
-        for (int i = 0; i < kMaxTenants; ++i) {
-            if (i == mine) continue;
-            const TenantSlot& o = hdr_->tenants[i];
-            if (o.pid.load(kSeq) > 0 && o.live.load(kSeq) == 1 && std::strncmp(o.name, t.name, kNameBytes) == 0)
-                twin = true;
-        }
-        if (!twin) {
+        if (!has_twin(mine)) {
             *slot = mine;
             bump_generation();  // default guarantees changed: every tenant's share moved
             return Status::ok();
         }
-        t.live.store(0, kSeq);
-        t.pid.store(0, kSeq);
-        unlock_slot(mine);
+        withdraw_slot(mine);
         std::this_thread::sleep_for(std::chrono::microseconds(50 * (attempt + 1) * (1 + me % 7)));
     }
     return Status::make(Code::Invalid, "pool '" + name_ + "' already has a live tenant named " + quoted_name(name));
