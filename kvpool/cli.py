@@ -1,7 +1,8 @@
 """The ``kvpool`` command line.
 
 ``kvpool demo`` is the main job: several engines share one pool against a
-static split of the same memory (see :mod:`kvpool.demo`).
+static split of the same memory (see :mod:`kvpool.demo`, shipped from the
+source folder ``demo/``).
 
 Operator commands on the pools of this host (they read and write the shared
 ledger only; no tenant process runs Python for them):
@@ -24,7 +25,7 @@ ledger only; no tenant process runs Python for them):
   served on ``/metrics`` with ``--listen HOST:PORT`` (:mod:`kvpool.metrics`).
 
 ``kvpool bench {native,async,pool,peers,policy,engines,all} [--quick] [--json
-PATH]`` runs the benchmark harness (:mod:`kvpool.bench`); ``kvpool bench
+PATH]`` runs the benchmark harness (:mod:`kvpool.bench`, from ``bench/``); ``kvpool bench
 report PATH`` prints the Numbers page (docs/numbers.md) from its JSON.
 
 Start-up: the operator commands never import torch, numpy or the manager
@@ -365,7 +366,7 @@ DEMO_HELP = "several engines share one pool, against a static split (CPU)"
 def demo(args: argparse.Namespace) -> int:
     """``kvpool demo``: the only command that imports torch (and only here)."""
     try:
-        from . import demo as demo_mod
+        from .demo import cli as demo_mod
     except ImportError as e:
         return _error(f"kvpool demo needs torch (the operator commands do not): {e}")
     parser = argparse.ArgumentParser(prog="kvpool demo", description=DEMO_HELP)
@@ -387,7 +388,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description="Elastic KV-cache allocator")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    # The demo's own options live in kvpool.demo, which imports torch: they are
+    # The demo's own options live in kvpool.demo.cli, which imports torch: they are
     # parsed there, after the command is known (see main).
     p = sub.add_parser("demo", help=DEMO_HELP, add_help=False)
     p.set_defaults(func=demo)

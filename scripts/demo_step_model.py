@@ -1,7 +1,7 @@
 """Measure the ``kvpool demo`` engine's step times and fit the virtual clock's model.
 
 ``kvpool demo --clock virtual`` models an engine step's duration from its
-batch instead of running it (kvpool/_demo_virtual.py). This script runs the
+batch instead of running it (demo/virtual.py, kvpool.demo.virtual). This script runs the
 real engine's two kinds of step, one torch thread as the demo does, over a
 grid of batch shapes, and fits by least squares:
 
@@ -12,7 +12,7 @@ grid of batch shapes, and fits by least squares:
 
 Each point is the minimum of several repeats (the machine is shared: the
 minimum is the run least disturbed by others). Prints the constants and
-the fit's worst relative error; paste them into _demo_virtual.StepModel.
+the fit's worst relative error; paste them into kvpool.demo.virtual.StepModel.
 
     python scripts/demo_step_model.py [--repeats 7]
 """
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from kvpool import Geometry, KVSpace
-from kvpool._demo_model import BLOCK_BYTES, HEAD_DIM, HEADS, LAYERS, PagedKV, TinyDecoder
-from kvpool._demo_traces import BLOCK_TOKENS, VOCAB
-from kvpool.demo import PAGE_BYTES
+from kvpool.demo.common import PAGE_BYTES
+from kvpool.demo.model import BLOCK_BYTES, HEAD_DIM, HEADS, LAYERS, PagedKV, TinyDecoder
+from kvpool.demo.traces import BLOCK_TOKENS, VOCAB
 
 
 def blocks_of(tokens: int) -> int:

@@ -21,10 +21,10 @@ import argparse
 import json
 import statistics
 
-from kvpool._demo_clock import run_virtual
-from kvpool._demo_traces import SHAPES
-from kvpool._demo_virtual import compare
-from kvpool.demo import options
+from kvpool.demo.cli import options
+from kvpool.demo.clock import run_virtual
+from kvpool.demo.traces import SHAPES
+from kvpool.demo.virtual import compare
 
 
 def _ratio(a: float, b: float) -> float:

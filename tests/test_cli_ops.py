@@ -122,7 +122,7 @@ def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0
     for command in ("demo", "pools", "top", "limit", "metrics"):
         assert command in out
-    rc, out, _ = run_main(capsys, "demo", "--help")  # the demo's own options, from kvpool.demo
+    rc, out, _ = run_main(capsys, "demo", "--help")  # the demo's own options, from kvpool.demo.cli
     assert rc == 0 and "--engines" in out and "kvpool demo" in out
     rc, _, err = run_main(capsys, "pools", "--bogus")
     assert rc == 2 and "--bogus" in err

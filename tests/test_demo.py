@@ -77,7 +77,7 @@ def test_one_process_per_engine_serves_the_same_requests_correctly(tmp_path: pat
 
 
 def test_each_row_takes_each_workers_latest_waiting_sample_at_or_before_it() -> None:
-    from kvpool.demo import _merge_waiting
+    from kvpool.demo.realtime import _merge_waiting
 
     t0 = 100.0
     rows: list[dict[str, Any]] = [{"t": 0.0}, {"t": 0.1}, {"t": 0.2}, {"t": 0.3}]

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from kvpool import Geometry, KVCacheManager, Pool
-from kvpool._demo_clock import run_virtual
-from kvpool._demo_model import BLOCK_BYTES, LAYERS, ContiguousKV, TinyDecoder, greedy
-from kvpool._demo_traces import Request
-from kvpool._demo_virtual import compare
-from kvpool.demo import COMPUTE_BOUND_BURST, PAGE_BYTES, Engine, options
+from kvpool.demo.cli import COMPUTE_BOUND_BURST, options
+from kvpool.demo.clock import run_virtual
+from kvpool.demo.common import PAGE_BYTES
+from kvpool.demo.model import BLOCK_BYTES, LAYERS, ContiguousKV, TinyDecoder, greedy
+from kvpool.demo.realtime import Engine
+from kvpool.demo.traces import Request
+from kvpool.demo.virtual import compare
 
 from ._helpers import until
 
@@ -32,9 +34,9 @@ def test_a_lending_engine_preempts_and_recomputes_to_the_same_tokens(
     # 56 tokens each, all finish within the bound and it would preempt
     # nothing): it must preempt, and later finish the preempted request
     # with the tokens a plain contiguous decode gives.
-    from kvpool import _demo_sched
+    from kvpool.demo import sched as demo_sched
 
-    monkeypatch.setattr(_demo_sched, "RECLAIM_STEPS", 0)
+    monkeypatch.setattr(demo_sched, "RECLAIM_STEPS", 0)
     torch.set_num_threads(1)
     per_block = BLOCK_BYTES * LAYERS * 2
     Pool(pool_name, capacity=32 * per_block)

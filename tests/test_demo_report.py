@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from kvpool.demo_report import figure, plot, summary_table
+from kvpool.demo.report import figure, plot, summary_table
 
 MiB = 1 << 20
 

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from kvpool._demo_traces import BLOCK_TOKENS, NEW_TOKENS, PROMPT_TOKENS, SHAPES, make_trace
+from kvpool.demo.traces import BLOCK_TOKENS, NEW_TOKENS, PROMPT_TOKENS, SHAPES, make_trace
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from kvpool import Geometry, KVCacheManager, Pool
-from kvpool._demo_clock import VirtualClockLoop, VirtualDeadlock, run_virtual
-from kvpool._demo_traces import SHAPES
-from kvpool._demo_virtual import compare
-from kvpool.demo import COMPUTE_BOUND_BURST, DEFAULT_BURST, options
+from kvpool.demo.cli import COMPUTE_BOUND_BURST, DEFAULT_BURST, options
+from kvpool.demo.clock import VirtualClockLoop, VirtualDeadlock, run_virtual
+from kvpool.demo.traces import SHAPES
+from kvpool.demo.virtual import compare
 
 from ._helpers import until
 
@@ -102,7 +102,7 @@ def test_when_a_native_wake_up_arrives_changes_nothing(shape: str, seed: int, wa
     # seed 12 gave another elastic TTFT under six CPU-bound processes, and the
     # same as that when no wake-up ever came. A run must be the same whether
     # the wake-ups never come or come before every step (the earliest).
-    from kvpool import _demo_virtual
+    from kvpool.demo import virtual as demo_virtual
     from kvpool.space import KVSpace
 
     # The load these seeds showed it at (the former default, 24 a burst).
@@ -113,14 +113,14 @@ def test_when_a_native_wake_up_arrives_changes_nothing(shape: str, seed: int, wa
         monkeypatch.setattr(KVSpace, "wakeup_fd", property(
             lambda space: silent.setdefault(id(space), os.eventfd(0, os.EFD_NONBLOCK))))
     else:
-        step = _demo_virtual.VirtualEngine._step
+        step = demo_virtual.VirtualEngine._step
 
-        async def signalled_step(self: _demo_virtual.VirtualEngine) -> None:
+        async def signalled_step(self: demo_virtual.VirtualEngine) -> None:
             for eng in [self, *(self.peers or ())]:
                 os.eventfd_write(eng.m.space.wakeup_fd, 1)
             await step(self)
 
-        monkeypatch.setattr(_demo_virtual.VirtualEngine, "_step", signalled_step)
+        monkeypatch.setattr(demo_virtual.VirtualEngine, "_step", signalled_step)
     try:
         other = _virtual("--trace", shape, "--seed", str(seed), "--burst", str(COMPUTE_BOUND_BURST),
                          "--compute", "per-engine")
@@ -164,7 +164,7 @@ def test_sixteen_engines_share_a_million_block_pool() -> None:
 def test_the_timeline_records_requests_waiting_for_memory_and_the_plot_shows_them() -> None:
     # Issue 13: nothing on the plot explained a stall. Every monitor row now
     # has waiting-<e> (requests queued for KV) beside engine-<e> (memory).
-    from kvpool.demo_report import figure
+    from kvpool.demo.report import figure
 
     res = _virtual("--trace", "bursty", "--seed", "1")
     for mode in ("elastic", "static"):

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from kvpool import Geometry, KVCacheManager, Pool
-from kvpool._demo_clock import RealClock
-from kvpool import _demo_sched
-from kvpool._demo_sched import Running, Scheduler
-from kvpool._demo_traces import BLOCK_TOKENS, Request
+from kvpool.demo import sched as demo_sched
+from kvpool.demo.clock import RealClock
+from kvpool.demo.sched import Running, Scheduler
+from kvpool.demo.traces import BLOCK_TOKENS, Request
 
 from ._helpers import until
 
@@ -171,7 +171,7 @@ def _saturated(pool_name: str, steps_left: list[int]) -> tuple[KVCacheManager, K
 
 def test_a_waiter_below_its_guarantee_is_granted_from_completions_with_no_preemption(
         pool_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_demo_sched, "RECLAIM_STEPS", 16)
+    monkeypatch.setattr(demo_sched, "RECLAIM_STEPS", 16)
 
     async def main() -> None:
         # Two requests finish within the bound: they cover the waiter's 2 missing pages.
@@ -179,7 +179,7 @@ def test_a_waiter_below_its_guarantee_is_granted_from_completions_with_no_preemp
         waiter = await _wait_queued(b, b.alloc(24))
         lender.act_on_lending()
         assert lender.preemptions == 0 and a.budget().preempt_bytes == 0
-        for r, *_ in [run for run in lender.running if run[2] <= _demo_sched.RECLAIM_STEPS]:
+        for r, *_ in [run for run in lender.running if run[2] <= demo_sched.RECLAIM_STEPS]:
             lender.act_on_lending()  # a step: still nothing to preempt
             assert lender.preemptions == 0
             lender.finish(r)
@@ -195,14 +195,14 @@ def test_a_waiter_below_its_guarantee_is_granted_from_completions_with_no_preemp
 
 def test_when_completions_come_too_late_the_lender_preempts_exactly_the_cheapest_requests(
         pool_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_demo_sched, "RECLAIM_STEPS", 16)
+    monkeypatch.setattr(demo_sched, "RECLAIM_STEPS", 16)
 
     async def main() -> None:
         # One request finishes within the bound (1 page); the second page
         # must be preempted: one request, the one with the fewest computed
         # tokens among those that do not finish within the bound.
         a, b, lender = _saturated(pool_name, [90, 30, 70, 60, 50, 1, 95])
-        computed = {r.rid: c for r, _, left, c in lender.running if left > _demo_sched.RECLAIM_STEPS}
+        computed = {r.rid: c for r, _, left, c in lender.running if left > demo_sched.RECLAIM_STEPS}
         waiter = await _wait_queued(b, b.alloc(24))
         lender.act_on_lending()
         assert lender.preemptions == 1 and lender.preemptions_asked == 1
@@ -211,7 +211,7 @@ def test_when_completions_come_too_late_the_lender_preempts_exactly_the_cheapest
         assert a.budget().preempt_bytes == 0  # the deficit is covered: the finishing request does the rest
         lender.act_on_lending()
         assert lender.preemptions == 1
-        (finishing,) = [r for r, _, left, _ in lender.running if left <= _demo_sched.RECLAIM_STEPS]
+        (finishing,) = [r for r, _, left, _ in lender.running if left <= demo_sched.RECLAIM_STEPS]
         lender.finish(finishing)
         assert len(await waiter) == 24
         got = a.budget()
@@ -310,13 +310,13 @@ def test_a_waiter_sharing_its_device_asks_for_its_only_request_at_once(
         # Steps of one time unit each, begun `stretch` apart (the others'
         # steps in between, when the device is shared): for ESCALATE_STEPS
         # steps it waits for completions like any waiter...
-        for i in range(_demo_sched.ESCALATE_STEPS):
+        for i in range(demo_sched.ESCALATE_STEPS):
             waiter.step(clock, i * stretch, 1.0)
             lender.act_on_lending()  # a lender step between the waiter's: its freeing covers the need
             assert b.budget().headroom_bytes == 0 and lender.preemptions == 0
-        assert waiter.shares_device == (stretch >= _demo_sched.SHARED_STRETCH)
+        assert waiter.shares_device == (stretch >= demo_sched.SHARED_STRETCH)
         # ...then, sharing the device with this one request queued, asks for it at once.
-        waiter.step(clock, _demo_sched.ESCALATE_STEPS * stretch, 1.0)
+        waiter.step(clock, demo_sched.ESCALATE_STEPS * stretch, 1.0)
         assert b.budget().headroom_bytes == (3 * PAGE if asks_at_once else 0)
         assert waiter.asked_at_once == asks_at_once
         computed = sorted(c for *_, c in lender.running)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ._lib import machine_line
+from .suites import suite
 
 
 def begin(name: str) -> str:
@@ -44,8 +45,6 @@ def measured(suite_res: Mapping[str, Any]) -> bool:
 
 def blocks(res: Mapping[str, Any]) -> dict[str, str]:
     """suite -> its README block (markers included), for every suite of ``res`` that measured its figures."""
-    from . import suite
-
     out: dict[str, str] = {}
     for name, sres in res["suites"].items():
         if not measured(sres):

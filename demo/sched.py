@@ -1,7 +1,7 @@
 """The scheduler half of ``kvpool demo``'s engines: admission queue and preemption.
 
-Both engines (the real one in :mod:`kvpool.demo`, the modeled one in
-:mod:`kvpool._demo_virtual`) share this: what differs between them is only
+Both engines (the real one in :mod:`kvpool.demo.realtime`, the modeled one in
+:mod:`kvpool.demo.virtual`) share this: what differs between them is only
 how a step computes, so the decisions about memory are made here, once.
 
 Admission. Requests join this engine's queue on arrival. One admitter takes
@@ -75,10 +75,10 @@ from typing import Any
 
 import numpy as np
 
-from ._demo_clock import RealClock
-from ._demo_traces import Request
-from .errors import PoolClosed
-from .manager import KVCacheManager
+from kvpool import KVCacheManager, PoolClosed
+
+from .clock import RealClock
+from .traces import Request
 
 # The reclaim bound: a running request that finishes within this many decode
 # steps frees its memory by completion, and a lender is asked to preempt
@@ -183,7 +183,7 @@ class Scheduler:
         return self.clock.seconds(self._rewait)
 
     def report(self) -> dict[str, Any]:
-        """This engine's raw figures, as :func:`kvpool.demo.summarize` takes them."""
+        """This engine's raw figures, as :func:`kvpool.demo.common.summarize` takes them."""
         return {"engine": self.index, "ttft": [self.clock.seconds(r.first_token - r.arrived) for r in self.finished],
                 "requests": len(self.finished), "tokens": self.tokens, "wait_s": self.wait_s,
                 "preempted_wait_s": self.preempted_wait_s, "preemptions": self.preemptions,

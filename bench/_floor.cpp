@@ -1,4 +1,4 @@
-// The floor of `kvpool bench peers` (kvpool/bench/peers.py): the least a block-id allocator can do.
+// The floor of `kvpool bench peers` (bench/peers.py, installed as kvpool.bench.peers): the least a block-id allocator can do.
 //
 // A stack of free block ids in one std::vector<int64_t> (capacity reserved for
 // every block up front, so it never reallocates): alloc(n) copies the top n ids

@@ -6,7 +6,7 @@ of freed blocks) over a real KV space, all joined by a real shared
 :class:`~kvpool.Pool` with a private name; every admission is one
 ``await alloc`` and every completion one ``free``. What is modeled is only
 how long an engine's step takes: instead of running the attention math the
-engine sleeps, on a virtual clock (:mod:`kvpool._demo_clock`), for
+engine sleeps, on a virtual clock (:mod:`kvpool.demo.clock`), for
 
     prefill of n new requests of T tokens in all:   n * a_p + b_p * T
     decode step of B sequences reading K KV blocks:  a_d + b_d * B + c_d * K
@@ -15,11 +15,11 @@ with the constants of :class:`StepModel`, measured on the 2-core machine the
 demo was developed on with the real engines (one torch thread, the minimum
 of 15 repeats per batch shape, two runs; ``scripts/demo_step_model.py``
 re-measures them). The engines follow the real ones' loop: preempt while
-lending (:mod:`kvpool._demo_sched`; a preempted request's prompt and the
+lending (:mod:`kvpool.demo.sched`; a preempted request's prompt and the
 tokens it generated are prefilled again, at the prefill rate), prefill the
 newcomers, emit one token for every running request (the newcomers' first),
 free the finished, one batched decode step for the rest. Times are integer
-nanoseconds (:class:`kvpool._demo_clock.NanoClock`), so equal spans compare
+nanoseconds (:class:`kvpool.demo.clock.NanoClock`), so equal spans compare
 equal in both modes.
 
 Compute (``--compute``): ``shared`` (the default) runs one engine step at a
@@ -73,13 +73,12 @@ from typing import Any
 
 import numpy as np
 
-from ._demo_clock import NanoClock, VirtualClockLoop
-from ._demo_sched import Running, Scheduler
-from ._demo_traces import BLOCK_TOKENS, Request, make_trace
-from .demo import COMMIT_BYTES_PER_BLOCK, headroom_bytes, summarize
-from .geometry import Geometry
-from .manager import KVCacheManager
-from .pool import Pool
+from kvpool import Geometry, KVCacheManager, Pool
+
+from .clock import NanoClock, VirtualClockLoop
+from .common import COMMIT_BYTES_PER_BLOCK, headroom_bytes, summarize
+from .sched import Running, Scheduler
+from .traces import BLOCK_TOKENS, Request, make_trace
 
 BLOCKS_PER_PAGE = 8  # as the real demo: 64 KiB pages of 8 KiB blocks
 VIRTUAL_BLOCK_BYTES = 512  # 8 to the base page: the smallest pages the CPU backend takes
@@ -219,7 +218,7 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
     with a pool of the whole capacity to itself).
     """
     loop = asyncio.get_running_loop()
-    assert isinstance(loop, VirtualClockLoop), "run it with kvpool._demo_clock.run_virtual"
+    assert isinstance(loop, VirtualClockLoop), "run it with kvpool.demo.clock.run_virtual"
     pool_blocks: int = args.pool_blocks
     bpp = blocks_per_page(pool_blocks)
     num_blocks = max(args.blocks, pool_blocks + bpp)  # an engine may grow to the whole pool
@@ -249,7 +248,7 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
             engines.append(VirtualEngine(e, m, steps, shared if args.compute == "shared" else asyncio.Lock()))
         for eng in engines:  # the next engines first, so no engine is always polled last
             eng.peers = engines[eng.index + 1:] + engines[: eng.index]
-            loop.mute(eng.m.space.wakeup_fd)  # its wake-ups come at real times: see _demo_clock
+            loop.mute(eng.m.space.wakeup_fd)  # its wake-ups come at real times: see kvpool.demo.clock
         unhook = loop.on_idle(lambda: poll_waiting(engines))
         mine = {e: [r.fresh() for r in trace if r.engine == e] for e in range(args.engines)}
         t0 = loop.time()
@@ -313,10 +312,10 @@ def poll_waiting(engines: list[VirtualEngine]) -> bool:
 
 async def compare(args: argparse.Namespace,
                   modes: tuple[str, ...] = ("elastic", "static")) -> dict[str, dict[str, Any]]:
-    """``modes`` of ``args`` (see :func:`kvpool.demo.options`) on the virtual clock, one trace, no output;
+    """``modes`` of ``args`` (see :func:`kvpool.demo.cli.options`) on the virtual clock, one trace, no output;
     ``alone`` is the reference of :func:`run_mode_virtual`.
 
-    Run it with :func:`kvpool._demo_clock.run_virtual`.
+    Run it with :func:`kvpool.demo.clock.run_virtual`.
     """
     trace = make_trace(args.engines, args.duration, args.burst, args.seed, args.trace, args.prompt_scale)
     return {mode: await run_mode_virtual(mode, args, trace, None) for mode in modes}

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ._demo_traces import BLOCK_TOKENS, VOCAB
+from .traces import BLOCK_TOKENS, VOCAB
 
 HIDDEN, LAYERS, HEADS = 128, 2, 4
 HEAD_DIM = HIDDEN // HEADS
