@@ -285,15 +285,11 @@ using kvpool::bind::alloc_items;
 using kvpool::bind::available_now;
 using kvpool::bind::free_items;
 
-void kvpool::bind::bind_space(nb::module_& m) {
-    nb::class_<Failure>(m, "Failure", "A failed alloc or free: nothing changed.")
-        .def_ro("code", &Failure::code)
-        .def_ro("message", &Failure::message)
-        .def_ro("available", &Failure::available)
-        .def_ro("max_blocks", &Failure::max_blocks)
-        .def_ro("bad_ids", &Failure::bad_ids);
+namespace {
 
-    nb::class_<Space>(m, "Space")
+// Space: alloc and free in every form (the faces and the plugins call these), available.
+void bind_space_alloc(nb::class_<Space>& cls) {
+    cls
         .def("alloc", [](Space& s, int64_t n) { return alloc_ids(s, n, false); }, "n"_a,
              nb::sig("def alloc(self, n: int) -> numpy.typing.NDArray[numpy.int64] | Failure"),
              "All-or-nothing: n block ids (int64 array), or a Failure (nothing changed).")
@@ -329,7 +325,12 @@ void kvpool::bind::bind_space(nb::module_& m) {
             "(nothing freed). TypeError unless ids is a 1-D C-contiguous int64 numpy array or a list of ints.")
         .def(
             "available", &available_now,
-            "Blocks a following alloc can deliver (waits for the space's mutex only without the GIL).")
+            "Blocks a following alloc can deliver (waits for the space's mutex only without the GIL).");
+}
+
+// Space: what a tenant sets and publishes (trim, limit, guarantee, headroom, reserve, freeing, preempted frees).
+void bind_space_settings(nb::class_<Space>& cls) {
+    cls
         .def(
             "trim",
             [](Space& s) {
@@ -387,7 +388,12 @@ void kvpool::bind::bind_space(nb::module_& m) {
                 out.states = std::move(t);
                 return out;
             },
-            "pages"_a, "The used blocks and state of each page in `pages`.")
+            "pages"_a, "The used blocks and state of each page in `pages`.");
+}
+
+// Space: what it reports (stats, budget, page occupancy).
+void bind_space_figures(nb::class_<Space>& cls) {
+    cls
         .def("stats", &Space::stats, nb::call_guard<nb::gil_scoped_release>())
         .def("budget", &Space::budget, nb::call_guard<nb::gil_scoped_release>(),
              "The tenant's budget figures (refreshed from the pool).")
@@ -453,7 +459,12 @@ void kvpool::bind::bind_space(nb::module_& m) {
             },
             "ids"_a, "requests"_a, "tokens"_a,
             "Free the blocks of `requests` preempted requests with `tokens` to recompute, counted as "
-            "reclaimed by preemption (budget.hpp, rule 6): None, or a Failure (nothing freed).")
+            "reclaimed by preemption (budget.hpp, rule 6): None, or a Failure (nothing freed).");
+}
+
+// Space: its memory (regions, fds) and lifecycle (settle, close).
+void bind_space_memory(nb::class_<Space>& cls) {
+    cls
         .def_prop_ro("inherited", &Space::inherited, "Inherited across fork(): inert in this process.")
         .def("settle", &Space::settle, "timeout_s"_a, nb::call_guard<nb::gil_scoped_release>(),
              "Wait until the reserve thread is idle; False on timeout.")
@@ -501,8 +512,10 @@ void kvpool::bind::bind_space(nb::module_& m) {
                      "Pages the last free released inline (for debug traces).")
         .def_prop_ro("closed", &Space::closed)
         .def("close", &Space::close, nb::call_guard<nb::gil_scoped_release>());
+}
 
-
+// create_space: a Space from checked arguments, registered in its pool if it has one.
+void bind_create_space(nb::module_& m) {
     m.def(
         "create_space",
         [](int64_t num_regions, int64_t page_bytes, int64_t block_bytes, int64_t num_blocks, bool null_block,
@@ -581,4 +594,22 @@ void kvpool::bind::bind_space(nb::module_& m) {
         "rank_timeout_s"_a = 5.0,
         "Create a KV space, as a tenant of `ledger` if given: (code, message, Space | None). With rank_regions, "
         "a mirrored space whose ranks' processes hold the memory (RankMemory).");
+}
+
+}  // namespace
+
+void kvpool::bind::bind_space(nb::module_& m) {
+    nb::class_<Failure>(m, "Failure", "A failed alloc or free: nothing changed.")
+        .def_ro("code", &Failure::code)
+        .def_ro("message", &Failure::message)
+        .def_ro("available", &Failure::available)
+        .def_ro("max_blocks", &Failure::max_blocks)
+        .def_ro("bad_ids", &Failure::bad_ids);
+
+    nb::class_<Space> cls(m, "Space");
+    bind_space_alloc(cls);
+    bind_space_settings(cls);
+    bind_space_figures(cls);
+    bind_space_memory(cls);
+    bind_create_space(m);
 }
