@@ -1,7 +1,7 @@
 // What the binding files share: the module's id arrays, the colder calls'
 // result types (Outcome and its kinds) and each file's entry point.
 // bindings.cpp defines the module (figures, ledger, results, helpers);
-// bindings_space.cpp binds a Space, its hot path and create_space.
+// bindings_space.cpp binds a Space and create_space; bindings_ids.cpp converts the ids of its hot path.
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -80,7 +80,7 @@ struct PageRanges {
     IdArray last;
 };
 
-// The hot path as every face runs it (bindings_space.cpp). alloc_ids: n ids
+// The hot path as every face runs it (bindings_ids.cpp). alloc_ids: n ids
 // (an int64 numpy array) or a Failure; free_ids: the blocks available after
 // it (an int; None unless want_available: a pooled tenant's figure scans the
 // ledger, and the hot faces do not read it) or a Failure; id_buffer: the ids
@@ -95,6 +95,9 @@ const int64_t* id_buffer(nanobind::handle ids, int64_t* n, std::vector<int64_t>&
 nanobind::object alloc_items(Space& s, int64_t n, nanobind::handle items, bool promised);
 nanobind::object free_items(Space& s, nanobind::handle items, nanobind::handle attr, bool want_available = true);
 int64_t available_now(Space& s);
+// Space.acquire: n ids (or items) after waiting while the pool makes
+// progress (native/acquire.cpp), or a Failure (bindings_ids.cpp).
+nanobind::object acquire(Space& s, int64_t n, nanobind::handle items, bool promised, double stall, double timeout);
 
 // What an AllocCall (bindings_await.cpp: `await manager.alloc(n)`, a native
 // coroutine) asks of the manager's face that made it (bindings_hot.cpp).
