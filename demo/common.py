@@ -9,6 +9,7 @@ import this module; it imports neither (no import cycle in the package).
 from __future__ import annotations
 
 import argparse
+import asyncio
 from typing import Any
 
 from kvpool import Geometry
@@ -75,3 +76,11 @@ def summarize(mode: str, args: argparse.Namespace, elapsed: float, timeline: lis
         "outputs": {rid: out for r in raw for rid, out in r["outputs"].items()},
     }
 
+
+async def stop_monitor(mon: asyncio.Task[None]) -> None:
+    """End a run's monitor task (its timeline is complete once the engines are done)."""
+    mon.cancel()
+    try:
+        await mon
+    except asyncio.CancelledError:
+        pass

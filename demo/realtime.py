@@ -39,7 +39,7 @@ import torch
 from kvpool import Geometry, KVCacheManager, Pool
 
 from .clock import RealClock
-from .common import COMMIT_BYTES_PER_BLOCK, PAGE_BYTES, headroom_bytes, summarize
+from .common import COMMIT_BYTES_PER_BLOCK, PAGE_BYTES, headroom_bytes, stop_monitor, summarize
 from .model import BLOCK_BYTES, HEAD_DIM, HEADS, LAYERS, ContiguousKV, PagedKV, TinyDecoder, greedy
 from .sched import Running as RunningRequest
 from .sched import Scheduler
@@ -163,11 +163,7 @@ async def run_mode(mode: str, args: argparse.Namespace, trace: list[Request], mo
         tasks = [asyncio.create_task(eng.run(mine[eng.index], t0)) for eng in engines]
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - t0
-        mon.cancel()
-        try:
-            await mon
-        except asyncio.CancelledError:
-            pass
+        await stop_monitor(mon)
         return summarize(mode, args, elapsed, timeline, [
             eng.report() | {"peak_committed_bytes": max(peak[eng.index], eng.peak_committed)}
             for eng in engines

@@ -76,7 +76,7 @@ import numpy as np
 from kvpool import Geometry, KVCacheManager, Pool
 
 from .clock import NanoClock, VirtualClockLoop
-from .common import COMMIT_BYTES_PER_BLOCK, headroom_bytes, summarize
+from .common import COMMIT_BYTES_PER_BLOCK, headroom_bytes, stop_monitor, summarize
 from .sched import Running, Scheduler
 from .traces import BLOCK_TOKENS, Request, make_trace
 
@@ -278,11 +278,7 @@ async def run_mode_virtual(mode: str, args: argparse.Namespace, trace: list[Requ
             raise RuntimeError(f"virtual {mode} run unfinished after {horizon:.0f} virtual s "
                                f"(engines waiting for memory: {stuck})") from None
         elapsed = loop.time() - t0
-        mon.cancel()
-        try:
-            await mon
-        except asyncio.CancelledError:
-            pass
+        await stop_monitor(mon)
         return summarize(mode, args, elapsed, timeline, [
             eng.report() | {"peak_committed_bytes": eng.peak_committed * to_real,
                             "reclaimed_by_completion_bytes": eng.reclaimed.get("completion", 0) * to_real,

@@ -7,47 +7,27 @@
 // when the core says it would block.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
-#include <nanobind/stl/string.h>
-#include <nanobind/stl/shared_ptr.h>
-#include <nanobind/stl/unique_ptr.h>
-#include <nanobind/stl/vector.h>
 
-#include <cstdlib>
 #include <cstring>
-#include <limits>
-#include <memory>
 
 // numpy's C API table is defined in bindings.cpp (_import_array there).
 #define PY_ARRAY_UNIQUE_SYMBOL kvpool_ARRAY_API
 #define NO_IMPORT_ARRAY
 #include <numpy/arrayobject.h>
 
-#include "backend.hpp"
 #include "bindings.hpp"
-#include "budget.hpp"
-#include "geometry.hpp"
-#include "ledger.hpp"
-#include "mirror.hpp"
 #include "space.hpp"
 
 namespace nb = nanobind;
-using namespace nb::literals;
 using kvpool::Code;
-using kvpool::Ledger;
 using kvpool::Space;
 using kvpool::Status;
-using kvpool::bind::IdArray;
-using kvpool::bind::new_id_array;
 using kvpool::bind::Failure;
-using kvpool::bind::Outcome;
-using kvpool::bind::SettingOutcome;
 using kvpool::bind::alloc_ids;
 using kvpool::bind::free_ids;
 using kvpool::bind::id_buffer;
 
 namespace {
-
-using IdInput = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 // A fresh int64 array of n elements (numpy's C API: no Python-level call).
 nb::object new_int64_array(int64_t n, int64_t** data) {

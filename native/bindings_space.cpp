@@ -9,9 +9,7 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
-#include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <memory>
 
 // numpy's C API table is defined in bindings.cpp (_import_array there).
