@@ -21,6 +21,16 @@ Figures
    Baseline, same run, same processes: B with a guarantee of 0 (A is no
    lender; B is granted as a borrower). Interleaved halves; p50/p99 in µs and
    the ratio policy / baseline.
+
+3. **Reclaim by preemption** (``reclaim.preemption``, issue 31): the same
+   two tenants, B below its guarantee waiting in ``await alloc(4)``, but A
+   publishes no ``freeing`` (no completion due), so the verdict asks A to
+   preempt. A polls its own ``budget().preempt_bytes`` (as an engine does
+   at each step) and stamps when it turns > 0 (the verdict latency, from
+   B's wait), then frees that page with ``free_preempted`` (counted as
+   reclaimed by preemption) and stamps the free; B stamps its grant. p50/p99
+   of the verdict latency and of free -> grant, beside reclaim by
+   completion (2.) in the same run; A's preemption counters are checked.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ from ._lib import BIG_RESERVE, Goal, cross_process_grant_us, KiB, MiB, geo_info,
 from ._timing import SyncBody, interleaved_ns, percentiles, roundtrip_loop
 
 if TYPE_CHECKING:
-    from kvpool import Geometry, KVSpace, Pool
+    from kvpool import Geometry, KVCacheManager, KVSpace, Pool
 
 TITLE = "the fair-share policy's cost"
 RT_SIZES = (1, 16)
@@ -132,24 +142,54 @@ def lender(pool_name: str) -> None:
                 except PoolExhausted:
                     break
             print(f"full {len(held)}", flush=True)
-        elif cmd == "give":
+        elif cmd in ("give", "preempt"):
             held.sort()
             page = g.page_of(held[0])
             blocks = [b for b in held if g.page_of(b) == page]
-            if len(blocks) > 1:
-                space.free(blocks[:-1])  # the page is not empty yet: nothing goes back
-            t = time.monotonic_ns()
-            space.free(blocks[-1:])  # empties it: back to the pool at once (A lends)
+            t_verdict = 0
+            if cmd == "preempt":  # wait for the verdict, as an engine reads it at each step
+                while space.budget().preempt_bytes <= 0:
+                    time.sleep(0.0001)
+                t_verdict = time.monotonic_ns()
+            if cmd == "preempt":  # one request, the page's blocks, preempted: back to the pool, counted
+                t = time.monotonic_ns()
+                space.free_preempted(blocks, requests=1, tokens=len(blocks))
+            else:
+                if len(blocks) > 1:
+                    space.free(blocks[:-1])  # the page is not empty yet: nothing goes back
+                t = time.monotonic_ns()
+                space.free(blocks[-1:])  # empties it: back to the pool at once (A lends)
             held = [b for b in held if g.page_of(b) != page]
-            print(t, flush=True)
+            print(*((t, t_verdict) if cmd == "preempt" else (t,)), flush=True)
+        elif cmd == "counts":
+            b = space.budget()
+            print(b.requests_preempted, b.reclaimed_by_preemption_bytes, flush=True)
     space.close()
 
 
-async def _rounds(pool: Pool, child: subprocess.Popen[str], guarantee: int | None, rounds: int) -> list[float]:
+async def _preempt_round(m: KVCacheManager, child: subprocess.Popen[str]) -> tuple[float, float]:
+    """One round of reclaim by preemption: (µs from B's wait to A's verdict, µs from A's free to B's grant)."""
+    assert child.stdin is not None and child.stdout is not None
+    task = asyncio.create_task(m.alloc(RC_BPP))
+    while m.waiting != 1:
+        await asyncio.sleep(0)
+    t_wait = time.monotonic_ns()
+    child.stdin.write("preempt\n")
+    child.stdin.flush()
+    ids = await task
+    t_grant = time.monotonic_ns()
+    t_free, t_verdict = map(int, (await asyncio.to_thread(child.stdout.readline)).split())
+    m.free(ids)
+    m.trim()  # the granted page goes back; the child refills it next round
+    return max(0.0, (t_verdict - t_wait) / 1e3), (t_grant - t_free) / 1e3
+
+
+async def _rounds(pool: Pool, child: subprocess.Popen[str], guarantee: int | None, rounds: int,
+                  preempt: bool = False) -> list[Any]:
     from kvpool import KVCacheManager
 
     assert child.stdin is not None and child.stdout is not None
-    lat: list[float] = []
+    lat: list[Any] = []
     async with KVCacheManager(_rc_geometry(), pool=pool, name=f"B{guarantee}", reserve=(0, 0), reserve_thread=False,
                               guarantee_bytes=guarantee) as m:
         for _ in range(rounds):
@@ -157,7 +197,7 @@ async def _rounds(pool: Pool, child: subprocess.Popen[str], guarantee: int | Non
             child.stdin.flush()
             full = child.stdout.readline().split()
             assert full[0] == "full" and int(full[1]) == RC_POOL_PAGES * RC_BPP, full
-            lat.append(await cross_process_grant_us(m, child, RC_BPP))
+            lat.append(await _preempt_round(m, child) if preempt else await cross_process_grant_us(m, child, RC_BPP))
     return lat
 
 
@@ -170,11 +210,20 @@ def reclaim(rounds: int) -> dict[str, Any]:
                              stdout=subprocess.PIPE, text=True, cwd="/tmp")
     policy: list[float] = []
     plain: list[float] = []
+    preempted: list[tuple[float, float]] = []
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        for _ in range(2):  # interleaved halves: a load drift hits both alike
+        for _ in range(2):  # interleaved thirds: a load drift hits all alike
             policy += asyncio.run(_rounds(pool, child, None, rounds // 2))  # B below its guarantee: A lends
             plain += asyncio.run(_rounds(pool, child, 0, rounds // 2))  # no guarantee: A just frees
+            preempted += asyncio.run(_rounds(pool, child, None, rounds // 2, preempt=True))  # A preempts
+        assert child.stdin is not None
+        child.stdin.write("counts\n")
+        child.stdin.flush()
+        requests, reclaimed = map(int, child.stdout.readline().split())
+        if requests != len(preempted) or reclaimed != len(preempted) * _rc_geometry().page_commit_bytes:
+            raise RuntimeError(f"the lender counted {requests} preemptions and {reclaimed} bytes reclaimed by "
+                               f"preemption for {len(preempted)} rounds")
     finally:
         if child.stdin is not None:
             child.stdin.close()
@@ -186,6 +235,9 @@ def reclaim(rounds: int) -> dict[str, Any]:
                            "no_guarantee_us": percentiles(plain)}
     res["ratio_p50"] = ratio(res["lend_reclaim_us"]["p50"], res["no_guarantee_us"]["p50"])
     res["ratio_p99"] = ratio(res["lend_reclaim_us"]["p99"], res["no_guarantee_us"]["p99"])
+    res["preemption"] = {"verdict_us": percentiles([v for v, _ in preempted]),
+                         "grant_after_free_us": percentiles([g for _, g in preempted]),
+                         "counted_requests": requests, "counted_bytes": reclaimed}
     return res
 
 
@@ -227,6 +279,14 @@ def format_report(res: Mapping[str, Any]) -> str:
               f"   {'lend + reclaim (B below its guarantee)':<44}{rc['lend_reclaim_us']['p50']:9.1f}"
               f"{rc['lend_reclaim_us']['p99']:9.1f}",
               f"   ratio policy / no guarantee: p50 {rc['ratio_p50']:.2f}x, p99 {rc['ratio_p99']:.2f}x"]
+    if "preemption" in rc:
+        pe = rc["preemption"]
+        lines += ["", "3. reclaim by preemption (A publishes no freeing: the verdict asks it to preempt)",
+                  f"   {'B waits -> A reads a verdict > 0':<44}{pe['verdict_us']['p50']:9.1f}{pe['verdict_us']['p99']:9.1f}",
+                  f"   {'A frees the preempted page -> B granted':<44}{pe['grant_after_free_us']['p50']:9.1f}"
+                  f"{pe['grant_after_free_us']['p99']:9.1f}",
+                  f"   counted by A: {pe['counted_requests']} requests preempted, "
+                  f"{pe['counted_bytes']} bytes reclaimed by preemption"]
     return "\n".join(lines)
 
 
@@ -246,6 +306,13 @@ def markdown(res: Mapping[str, Any]) -> str:
         f"{rc['lend_reclaim_us']['p50']:.0f} µs, p99 {rc['lend_reclaim_us']['p99']:.0f} µs, against "
         f"{rc['no_guarantee_us']['p50']:.0f} / {rc['no_guarantee_us']['p99']:.0f} µs with no guarantee "
         f"({rc['ratio_p50']:.2f}× at p50; {rc['rounds']} rounds).",
+        *([] if "preemption" not in rc else [
+            "",
+            f"Reclaim by preemption (A publishes no freeing; it reads its verdict as an engine does each step): "
+            f"B's wait to A's verdict p50 {rc['preemption']['verdict_us']['p50']:.0f} µs, p99 "
+            f"{rc['preemption']['verdict_us']['p99']:.0f} µs; A's preempted free to B's grant p50 "
+            f"{rc['preemption']['grant_after_free_us']['p50']:.0f} µs, p99 "
+            f"{rc['preemption']['grant_after_free_us']['p99']:.0f} µs."]),
     ])
 
 

@@ -21,7 +21,7 @@ BENCHMARKS = {
     "async": ("ratio_await_to_nowait", "p50_ratio_to_depth1", "ratio_to_single"),
     "pool": ("ratio_p50", "cross_process_us", "in_process_us"),
     "peers": ("ratios", "ratio_to_smallest", "floor"),
-    "policy": ("ratios", "ratio_p50", "reclaim"),
+    "policy": ("ratios", "ratio_p50", "reclaim", "preemption", "verdict_us", "grant_after_free_us"),
 }
 
 
