@@ -6,7 +6,7 @@ reads the machine's clock.
 
 from __future__ import annotations
 
-import functools
+import argparse
 import io
 import json
 import subprocess
@@ -23,19 +23,14 @@ from kvpool.demo.sweep import DEFAULT_SWEEP, parse_bursts
 from kvpool.demo.traces import make_trace
 
 
-@functools.cache
-def _default_sweep(tmp: str) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def default_sweep(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``kvpool demo --sweep --json`` with every other option at its default, run once for the tests below."""
-    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "demo", "--sweep", "--json"], cwd=tmp,
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "demo", "--sweep", "--json"],
+                         cwd=tmp_path_factory.mktemp("sweep"), capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     data: dict[str, Any] = json.loads(out.stdout)
     return data
-
-
-@pytest.fixture(scope="module")
-def default_sweep(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _default_sweep(str(tmp_path_factory.mktemp("sweep")))
 
 
 def test_the_default_sweep_runs_bursts_10_16_24_with_one_row_per_engine_and_one_for_all(
@@ -93,8 +88,6 @@ def test_the_sweep_table_fits_80_columns_with_a_row_per_burst_per_engine(default
 ])
 def test_a_bad_sweep_exits_2_naming_what_is_wrong(value: str, message: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    import argparse
-
     ap = argparse.ArgumentParser()
     add_arguments(ap)
     assert run(ap.parse_args(["--sweep", value])) == 2
@@ -104,8 +97,6 @@ def test_a_bad_sweep_exits_2_naming_what_is_wrong(value: str, message: str,
 
 @pytest.mark.parametrize("other", [["--clock", "real"], ["--processes"]])
 def test_a_sweep_refuses_the_real_clock_and_processes(other: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    import argparse
-
     ap = argparse.ArgumentParser()
     add_arguments(ap)
     assert run(ap.parse_args(["--sweep", *other])) == 2
