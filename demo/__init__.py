@@ -26,6 +26,7 @@ listed before it:
 ``common``      what both clocks share: pool sizes, headroom, a mode's figures
 ``realtime``    the real engines: one loop, or one process each
 ``virtual``     the engines with modeled step times on a virtual clock
+``sweep``       the virtual demo at several bursts (``--sweep``)
 ``cli``         the options, both modes in turn, the live table, the summary
 ``__main__``    ``python -m kvpool.demo --worker``: one engine process
 ==============  ==========================================================

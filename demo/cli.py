@@ -19,6 +19,18 @@ on a quiet machine elastic then lost to static in 5 of 5 runs (TTFT p50
 1.10-1.41x), its preemptions' recompute adding to the compute queue. 12 a
 burst still lost in 3 of 7 quiet runs, whenever the machine ran slower than
 usual; ``--burst 24`` still runs the compute-bound load.
+
+Why 10 stays the default (issue 31, item 5; measured 2026-12-07 on the
+virtual clock, 3 shapes x 20 seeds, ``--compute shared`` as a real-time run
+on one machine is, and ``per-engine``): memory already matters at 10. A
+static slice makes a bursty trace's request wait 0.12-0.29 s on average
+where sharing makes it wait at most 8 ms (TTFT p99 0.5-1.1 s against
+0.01-0.09 s), and sharing wins every engine's TTFT p99 in all 40 bursty
+runs. A larger default would show the slices waiting longer (12 a burst:
+0.23-0.76 s a request) but, with one shared compute, sharing loses some
+engine's p99 in more runs: 27 of 60 at 10 (steady and saturated shapes), 37
+of 60 at 12, 48 of 60 at 16 (per engine compute: none at any of them).
+``--sweep`` shows 10, 16 and 24 side by side (:mod:`kvpool.demo.sweep`).
 """
 
 from __future__ import annotations
@@ -35,11 +47,12 @@ from .clock import run_virtual
 from .common import COMMIT_BYTES_PER_BLOCK, PAGE_BYTES
 from .model import BLOCK_BYTES, ContiguousKV, TinyDecoder, greedy
 from .realtime import TORCH_THREADS, check_correctness, run_mode, run_mode_processes
-from .report import ReportConsole, plot, summary_table
+from .report import ReportConsole, plot, summary_table, sweep_table
+from .sweep import DEFAULT_SWEEP, parse_bursts, sweep
 from .traces import SHAPES, make_trace
 from .virtual import blocks_per_page, run_mode_virtual, step_model
 
-DEFAULT_BURST = 10  # requests per burst: compute keeps up (module docstring)
+DEFAULT_BURST = 10  # requests per burst: compute keeps up, a static slice already waits (module docstring)
 COMPUTE_BOUND_BURST = 24  # the former default: compute-bound here, whatever the memory policy
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a job ended by Ctrl-C
 
@@ -67,9 +80,30 @@ def derive(args: argparse.Namespace) -> str:
         return "--engines, --pool-mib, --pool-blocks and --burst must be >= 1, --duration > 0"
     if not args.prompt_scale > 0:
         return f"--prompt-scale must be > 0, got {args.prompt_scale}"
+    if isinstance(args.sweep, str):
+        try:
+            args.sweep = parse_bursts(args.sweep)
+        except ValueError as e:
+            return str(e)
+    if args.sweep:
+        if args.clock == "real" or args.processes:
+            return "--sweep runs on the virtual clock, in this process: drop --clock real and --processes"
+        args.clock = "virtual"
+    elif args.clock is None:
+        args.clock = "real"
     if args.clock == "virtual" and args.processes:
         return "--clock virtual runs every engine in this process: drop --processes"
     return ""
+
+
+def _too_big(args: argparse.Namespace, trace: list[Any]) -> str:
+    """What is wrong if the trace's largest request does not fit a static slice ("" if it fits)."""
+    biggest = max(r.blocks for r in trace)
+    if biggest <= _slice_blocks(args):
+        return ""
+    return (f"the largest request needs {biggest} blocks but a static slice holds {_slice_blocks(args)} "
+            f"(pool {args.pool_blocks} blocks / {args.engines} engines): use a larger --pool-mib/--pool-blocks, "
+            "fewer --engines or a smaller --prompt-scale")
 
 
 def _slice_blocks(args: argparse.Namespace) -> int:
@@ -93,11 +127,9 @@ async def main_async(args: argparse.Namespace) -> int:
     virtual = args.clock == "virtual"
     torch.set_num_threads(TORCH_THREADS)
     trace = make_trace(args.engines, args.duration, args.burst, args.seed, args.trace, args.prompt_scale)
-    biggest = max(r.blocks for r in trace)
-    if biggest > _slice_blocks(args):
-        print(f"kvpool demo: the largest request needs {biggest} blocks but a static slice holds "
-              f"{_slice_blocks(args)} (pool {args.pool_blocks} blocks / {args.engines} engines): use a larger "
-              "--pool-mib/--pool-blocks, fewer --engines or a smaller --prompt-scale", file=sys.stderr)
+    problem = _too_big(args, trace)
+    if problem:
+        print(f"kvpool demo: {problem}", file=sys.stderr)
         return 2
     model = None if virtual else TinyDecoder(args.seed)
     if model is not None:
@@ -206,15 +238,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=10.0, help="seconds of request arrivals (default 10)")
     p.add_argument("--burst", type=int, default=DEFAULT_BURST,
                    help=f"requests per burst (default {DEFAULT_BURST}: a load one torch thread per engine keeps up "
-                        f"with; {COMPUTE_BOUND_BURST} is compute-bound on a 2-core machine)")
+                        "with and where memory already matters: on the virtual clock a static slice makes a bursty "
+                        "trace's request wait 0.12-0.29 s on average, sharing at most 0.008 s, and sharing wins every "
+                        "engine's TTFT p99 in all 40 bursty runs measured; above 10, with one shared compute, "
+                        "sharing loses some engine's p99 in more runs: 37 of 60 at 12, 48 of 60 at 16, against 27 "
+                        f"of 60 at 10; {COMPUTE_BOUND_BURST} is compute-bound on a 2-core machine; see --sweep)")
     p.add_argument("--seed", type=int, default=0, help="trace and weights seed")
     p.add_argument("--trace", choices=SHAPES, default="bursty",
                    help="arrival shape: bursty (default), steady, saturated (engine 0 overloaded, others light)")
     p.add_argument("--prompt-scale", type=float, default=1.0,
                    help="stretch prompts (48-160 tokens at 1): a large pool's what-if with long contexts")
-    p.add_argument("--clock", choices=("real", "virtual"), default="real",
-                   help="real: run the engines; virtual: model their step times on a virtual clock "
-                        "(exact, load-independent, fast)")
+    p.add_argument("--clock", choices=("real", "virtual"), default=None,
+                   help="real (the default): run the engines; virtual: model their step times on a virtual "
+                        "clock (exact, load-independent, fast; the default with --sweep)")
     p.add_argument("--compute", choices=("shared", "per-engine"), default="shared",
                    help="virtual clock: one device runs one engine step at a time (shared, as the real "
                         "in-process demo's one thread) or every engine has its own (per-engine)")
@@ -224,6 +260,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one process per engine, joined only by the pool (default: one process)")
     p.add_argument("--no-live", action="store_true", help="no live progress table")
     p.add_argument("--json", action="store_true", help="print every figure as JSON on stdout")
+    p.add_argument("--sweep", nargs="?", const=",".join(map(str, DEFAULT_SWEEP)), default=None, metavar="BURSTS",
+                   help="run the demo at each of these bursts (default "
+                        f"{','.join(map(str, DEFAULT_SWEEP))}) on the virtual clock, both modes, and print one "
+                        "table of them side by side (per engine: TTFT p99, waiting, preemptions, recompute, "
+                        "static's mean wait); --trace, --seed, --compute and the pool options apply to each")
 
 
 def options(argv: list[str]) -> argparse.Namespace:
@@ -237,9 +278,47 @@ def options(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def run_sweep(args: argparse.Namespace) -> int:
+    """``--sweep``: the demo at each burst on the virtual clock, one table (or ``--json``) for them all."""
+    for burst in args.sweep:
+        problem = _too_big(args, make_trace(args.engines, args.duration, burst, args.seed, args.trace,
+                                            args.prompt_scale))
+        if problem:
+            print(f"kvpool demo: at {burst} a burst {problem}", file=sys.stderr)
+            return 2
+    console = ReportConsole(stderr=args.json)
+    pool_mib = args.pool_blocks * COMMIT_BYTES_PER_BLOCK / 2**20
+    if not args.json:
+        console.print(f"{args.engines} engines, {args.trace} trace over {args.duration:g} s, seed {args.seed}, "
+                      f"{args.compute} compute;\npool {pool_mib:g} MiB ({pool_mib / args.engines:.1f} MiB a "
+                      f"static slice); virtual clock; bursts {', '.join(map(str, args.sweep))}")
+    runs = sweep(args, args.sweep)
+    if args.json:
+        json.dump({"engines": args.engines, "pool_mib": pool_mib, "pool_blocks": args.pool_blocks,
+                   "seed": args.seed, "trace": args.trace, "duration": args.duration,
+                   "prompt_scale": args.prompt_scale, "clock": "virtual", "compute": args.compute,
+                   "sweep": list(args.sweep), "step_model": step_model(), "runs": runs}, sys.stdout, indent=1)
+        print()
+    else:
+        console.print(sweep_table(runs))
+        console.print("p99: TTFT p99 (s); wait: time waiting for memory (s, all requests summed);\n"
+                      "preempt, recomp: elastic's preemptions, tokens recomputed (% of those served);\n"
+                      "static ms/req: a static slice's mean wait a request (where memory matters)")
+    if not all(r["same_requests_served"] for r in runs):
+        print("kvpool demo: correctness check FAILED (the two modes served different requests)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """The demo; Ctrl-C ends it with one line and exit 130 (its pools removed on the way out)."""
+    problem = derive(args)
+    if problem:
+        print(f"kvpool demo: {problem}", file=sys.stderr)
+        return 2
     try:
+        if args.sweep:
+            return run_sweep(args)
         if args.clock == "virtual":
             return run_virtual(main_async(args))
         return asyncio.run(main_async(args))

@@ -6,6 +6,8 @@ its ``--json`` output) and only draw them:
 - the table fits 80 columns (short headers, two-space gaps, no edges) and is
   printed without rich's highlighting, so a number is never split into
   differently coloured pieces;
+- the sweep's table (``--sweep``) puts the bursts one under the other,
+  each engine's elastic and static figures side by side, in 80 columns too;
 - the plot shows committed memory per engine per mode with the pool (and the
   static slice) as lines, the legend below the panels, off the data; when the
   run's timeline records waiting requests per engine (``waiting-<e>`` in each
@@ -19,7 +21,7 @@ from typing import Any
 
 from rich.console import Console
 
-__all__ = ["ReportConsole", "figure", "plot", "summary_table"]
+__all__ = ["ReportConsole", "figure", "plot", "summary_table", "sweep_table"]
 
 
 class ReportConsole(Console):
@@ -125,4 +127,33 @@ def summary_table(results: dict[str, dict[str, Any]]) -> Any:
         table.add_row("all", res["mode"], str(res["requests"]), f"{res['tokens_per_s']:.0f}",
                       f"{res['ttft_p50_s']:.2f}", f"{res['ttft_p99_s']:.2f}", f"{res['wait_s']:.1f}", "",
                       style="bold")
+    return table
+
+
+def sweep_table(runs: list[dict[str, Any]]) -> Any:
+    """``--sweep``: per burst, per engine and all, elastic beside static; fits 80 columns.
+
+    Headers take two lines (figure, then mode) so that ten columns fit; the
+    units are in the line the demo prints under the table.
+    """
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="kvpool demo --sweep: elastic pool vs static split, by burst",
+                  box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True,
+                  highlight=False)
+    for col in ("burst", "engine", "p99 s\nelastic", "p99 s\nstatic", "p99\nel/st", "wait s\nelastic",
+                "wait s\nstatic", "preempt", "recomp\n%", "static\nms/req"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for i, run in enumerate(runs):
+        if i:
+            table.add_section()
+        for row in run["engines"]:
+            p99, wait = row["ttft_p99_s"], row["wait_s"]
+            table.add_row(str(run["burst"]) if row is run["engines"][0] else "",
+                          str(row["engine"]), f"{p99['elastic']:.3f}", f"{p99['static']:.3f}",
+                          f"{p99['elastic'] / p99['static']:.2f}x" if p99["static"] else "-",
+                          f"{wait['elastic']:.2f}", f"{wait['static']:.2f}", str(row["preemptions"]),
+                          f"{100 * row['recomputed_share']:.1f}", f"{1e3 * row['static_mean_wait_s']:.1f}",
+                          style="bold" if row["engine"] == "all" else None)
     return table

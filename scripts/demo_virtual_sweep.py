@@ -12,6 +12,12 @@ and prints that reference's waiting ratio to static beside elastic's. Where
 even the reference waits more than half as long as static, no policy of the
 pool can meet the waiting bar for that shape: the queue is for compute.
 
+Each case runs through :mod:`kvpool.demo.sweep`, as ``kvpool demo --sweep``
+does (one implementation of a sweep's runs and figures); ``--sweep BURSTS``
+among the demo options runs every burst in turn (default: ``--burst``'s one).
+``kvpool demo --sweep`` shows one shape and seed per engine; this script
+summarises many seeds per shape against the acceptance bars.
+
     python scripts/demo_virtual_sweep.py [--seeds 20] [--reference] [--json out.jsonl] [demo options...]
 """
 
@@ -22,14 +28,8 @@ import json
 import statistics
 
 from kvpool.demo.cli import options
-from kvpool.demo.clock import run_virtual
+from kvpool.demo.sweep import per_engine, ratio, run_case
 from kvpool.demo.traces import SHAPES
-from kvpool.demo.virtual import compare
-
-
-def _ratio(a: float, b: float) -> float:
-    """a / b; 0 when nobody waited in either (the bar is met: 0 <= 0.5 x 0)."""
-    return a / b if b else (0.0 if not a else float("inf"))
 
 
 def main() -> None:
@@ -41,21 +41,26 @@ def main() -> None:
     args, demo_argv = ap.parse_known_args()
     sink = open(args.json, "w") if args.json else None
     modes = ("elastic", "static", "alone") if args.reference else ("elastic", "static")
-    for shape in SHAPES:
+    base = options(["--clock", "virtual", *demo_argv])
+    bursts = base.sweep or (base.burst,)
+    for burst, shape in ((b, s) for b in bursts for s in SHAPES):
+        if len(bursts) > 1 and shape == SHAPES[0]:
+            print(f"{burst} a burst:")
         rows = []
         for seed in range(args.seeds):
             opts = options(["--clock", "virtual", "--trace", shape, "--seed", str(seed), *demo_argv])
-            res = run_virtual(compare(opts, modes))
+            res = run_case(opts, burst, modes)
             el, st = res["elastic"], res["static"]
-            row = {"shape": shape, "seed": seed,
-                   "ttft_p99": [a["ttft_p99_s"] / b["ttft_p99_s"] for a, b in zip(el["engines"], st["engines"])],
-                   "wait": _ratio(el["wait_s"], st["wait_s"]),
+            figures = per_engine(res)
+            row = {"burst": burst, "shape": shape, "seed": seed,
+                   "ttft_p99": [ratio(f["ttft_p99_s"]["elastic"], f["ttft_p99_s"]["static"]) for f in figures[:-1]],
+                   "wait": ratio(el["wait_s"], st["wait_s"]),
                    "tokens_per_s": el["tokens_per_s"] / st["tokens_per_s"],
                    "preemptions": el["preemptions"],
-                   "recomputed": el["recomputed_tokens"] / el["tokens"] if el["tokens"] else 0.0}
+                   "recomputed": figures[-1]["recomputed_share"]}
             if args.reference:
                 alone = res["alone"]
-                row["alone_wait"] = _ratio(alone["wait_s"], st["wait_s"])
+                row["alone_wait"] = ratio(alone["wait_s"], st["wait_s"])
                 row["alone_ttft_p99"] = [a["ttft_p99_s"] / b["ttft_p99_s"]
                                          for a, b in zip(alone["engines"], st["engines"])]
             rows.append(row)
