@@ -266,6 +266,11 @@ def test_a_borrowing_engine_preempts_for_a_tenant_below_its_guarantee_and_finish
             guarantee = b.budget().guarantee_bytes
             want = guarantee // b_page - 1  # pages: less than its guarantee...
             assert want * b_page > 2 * UNIT  # ...more than A's idle reserve could hand over
+            # B is light (it holds less than its headroom): its need is urgent,
+            # no completion comes in time, so A's verdict asks to preempt
+            # (issue 31, rule 8; without headroom A reclaims by completion:
+            # the test below).
+            b.set_headroom(want * b_page)
             with pytest.raises(PoolExhausted):
                 b.alloc(4 * want)
             b.report_waiting(1)  # below its guarantee and waiting: A lends
@@ -296,6 +301,8 @@ def test_a_borrowing_engine_preempts_for_a_tenant_below_its_guarantee_and_finish
         assert len(lend) >= 1 and len(lend_end) >= 1, [e["event"] for e in res["events"]]
         assert sum(e["free_counts_refused"] for e in lend_end) > 0  # vLLM was told "cannot schedule now"
         assert a_phase["preemptions_after_barrier"] > 0  # ...and preempted
+        asked = [e for e in res["events"] if e["event"] == "vllm preempt"]
+        assert asked and all(e["preempt_bytes"] > 0 and e["requests"] >= 1 for e in asked), asked  # on the verdict
         assert b.stats().used_blocks == len(blocks) == 4 * want
         b.free(blocks)
 
