@@ -205,7 +205,7 @@ def _schedule(original: Any) -> Any:
 
 def _running(scheduler: Any) -> list[Running]:
     """vLLM's running requests as the reclaim decision sees them (read only
-    while the engine borrows): steps to ``max_tokens``, computed tokens,
+    while the engine lends): steps to ``max_tokens``, computed tokens,
     blocks of every group."""
     manager = scheduler.kv_cache_manager
     out = []

@@ -110,7 +110,7 @@ RECLAIM_STEPS = 256
 @dataclass(frozen=True)
 class Running:
     """A running vLLM request as the reclaim decision sees it (built by the
-    scheduler hook, only while this engine borrows)."""
+    scheduler hook, only while this engine lends)."""
 
     request: Any  # vLLM's Request
     steps_left: int  # decode steps until max_tokens
@@ -334,7 +334,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         """Called at the start of each scheduler step (the engine's thread, no
         prefix-cache lookup pending) with the number of requests vLLM has
         queued (``None``: unknown, taken as some) and a reader of its running
-        requests (called only while this engine borrows): act on the
+        requests (called only while this engine lends): act on the
         budget's verdict, publish what completes within the bound, and tell
         the pool whether this engine is short. Returns the requests to
         preempt now (vLLM's, cheapest first; empty unless the verdict's
@@ -457,9 +457,11 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         b = self.space.budget()  # one native call
         self._set_lending(b)
         live: Sequence[Running] = ()
-        # Only a borrower's freeing is read (the verdict counts it up to what
-        # it borrows): the others publish 0 and skip the walk.
-        if running is not None and b.borrowed_bytes > 0 and self.space.pool is not None:
+        # Only a lender's freeing is read (the verdict counts it up to what
+        # it borrows, while someone below its guarantee waits): the others
+        # publish 0 and skip the walk, which costs a pass over the running
+        # requests' blocks each step.
+        if running is not None and b.lending and self.space.pool is not None:
             live = running()
             freeing = self._freeing(live)
             if freeing != self._freeing_published:
