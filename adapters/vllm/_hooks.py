@@ -34,11 +34,17 @@ The points, in the order they act:
    ``kv_cache_coordinator.BlockPool`` (engine-core process) then builds
    :class:`KVPoolBlockPool` over the space that config's handle names.
 5. ``Scheduler.schedule``: each step starts with the block pool's budget
-   check (no prefix-cache lookup is pending then); with async scheduling it
-   also turns on vLLM's deferred block free, so a page is never released
-   under a step still in flight. ``KVCacheManager.allocate_slots``: a
-   ``None`` (a request the free count does not cover) marks the engine
-   short for the next check.
+   check (no prefix-cache lookup is pending then), which publishes what the
+   running requests free within the reclaim bound and names the requests
+   the verdict asks to preempt; they are preempted there, through vLLM's
+   own ``_preempt_request``, before any request of the step is scheduled.
+   With async scheduling it also turns on vLLM's deferred block free, so a
+   page is never released under a step still in flight.
+   ``Scheduler._preempt_request``: every preemption frees its blocks as one,
+   counted in the tenant's slot. ``KVCacheManager.allocate_slots``: while
+   lending, a running request's call may grow into the pages the engine
+   holds (the free count for others is 0); a ``None`` (a request the free
+   count does not cover) marks the engine short for the next check.
 6. ``EngineCoreProc._process_input_queue`` (the engine-core process of a
    server): while it idles, its input queue wakes every ``IDLE_POLL_S`` so
    the block pool can give cached pages back to a pool that wants them, on
@@ -64,6 +70,7 @@ import dataclasses
 import os
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -76,7 +83,7 @@ from kvpool.tracing import get_logger
 from . import _patching
 from ._patching import PatchPoint, UnsupportedVLLM, installed, uninstall
 from .admission import blocks_per_request_in_groups, check_one_request_fits
-from .block_pool import KVPoolBlockPool
+from .block_pool import KVPoolBlockPool, Running
 from .layout import engine_layout, space_layout, view_tensor
 
 __all__ = ["PATCHES", "PatchPoint", "UnsupportedVLLM", "install", "installed", "uninstall"]
@@ -188,19 +195,73 @@ def _schedule(original: Any) -> Any:
                     self.defer_block_free = True
             # Preempted requests wait in the same queues as new ones.
             queued = len(self.waiting) + len(getattr(self, "kv_holding_waiting", ()))
-            block_pool.on_step(queued)
+            victims = block_pool.on_step(queued, lambda: _running(self))
+            if victims:
+                _preempt(self, victims)
         return original(self, *args, **kwargs)
 
     return schedule
 
 
+def _running(scheduler: Any) -> list[Running]:
+    """vLLM's running requests as the reclaim decision sees them (read only
+    while the engine lends): steps to ``max_tokens``, computed tokens,
+    blocks of every group."""
+    manager = scheduler.kv_cache_manager
+    out = []
+    for r in scheduler.running:
+        ids = [i for group in manager.get_block_ids(r.request_id) for i in group]
+        out.append(Running(r, max(0, int(r.max_tokens) - int(r.num_output_tokens)), int(r.num_computed_tokens), ids))
+    return out
+
+
+def _preempt(scheduler: Any, victims: list[Any]) -> None:
+    """Preempt the verdict's victims at the start of a step, as vLLM's own
+    schedule loop does when its cache is full (``running`` minus the victim,
+    then ``_preempt_request``, which puts it at the head of the waiting queue
+    and tells the workers), before any request of this step is scheduled."""
+    now = time.monotonic()
+    for request in victims:
+        if request not in scheduler.running or not scheduler._request_blocks_can_be_freed(request):
+            continue  # a deferred free would not help now (vLLM's own rule)
+        scheduler.running.remove(request)
+        scheduler._preempt_request(request, now, drop_stale_output=scheduler.requires_kv_delivery)
+
+
+def _preempt_request(original: Any) -> Any:
+    # Every preemption (the verdict's, or vLLM's own when a running request
+    # has no room) frees its blocks as one: counted in the tenant's slot.
+    def _preempt_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+        block_pool = _kvpool_block_pool(self)
+        if block_pool is None:
+            original(self, request, *args, **kwargs)
+            return
+        with block_pool.preempting(request):
+            original(self, request, *args, **kwargs)
+
+    return _preempt_request
+
+
 def _allocate_slots(original: Any) -> Any:
-    def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
-        blocks = original(self, *args, **kwargs)
-        if blocks is None:  # vLLM's "cannot schedule now": this engine is short
-            block_pool = getattr(self, "block_pool", None)
-            if isinstance(block_pool, KVPoolBlockPool):
-                block_pool.note_miss()
+    from vllm.v1.request import RequestStatus
+
+    running = RequestStatus.RUNNING
+
+    def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        block_pool = getattr(self, "block_pool", None)
+        if (isinstance(block_pool, KVPoolBlockPool) and block_pool.free_block_queue.lending
+                and request.status == running):
+            # A lender's running request may grow into the pages it holds
+            # (rule 8: reclaim by completion first); a new one gets 0.
+            block_pool._growing = True
+            try:
+                blocks = original(self, request, *args, **kwargs)
+            finally:
+                block_pool._growing = False
+        else:
+            blocks = original(self, request, *args, **kwargs)
+        if blocks is None and isinstance(block_pool, KVPoolBlockPool):
+            block_pool.note_miss()  # vLLM's "cannot schedule now": this engine is short
         return blocks
 
     return allocate_slots
@@ -277,6 +338,7 @@ PATCHES: tuple[PatchPoint, ...] = (
     PatchPoint("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.__init__", _coordinator_init),
     PatchPoint("vllm.v1.core.kv_cache_coordinator", "BlockPool", _block_pool_class),
     PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler.schedule", _schedule),
+    PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler._preempt_request", _preempt_request),
     PatchPoint("vllm.v1.core.kv_cache_manager", "KVCacheManager.allocate_slots", _allocate_slots),
     PatchPoint("vllm.v1.engine.core", "EngineCoreProc._process_input_queue", _process_input_queue),
     PatchPoint("vllm.v1.worker.cpu_worker", "CPUWorker.determine_available_memory", _cpu_available_memory,

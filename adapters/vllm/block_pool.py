@@ -37,10 +37,25 @@ Why this shape:
 
     1. gives whole cached pages back, oldest first, as many as the waiting
        tenants want (the space releases emptied pages at once);
-    2. answers 0 to ``get_num_free_blocks``: vLLM sees its cache as full,
-       returns ``None`` from ``allocate_slots`` (its own "cannot schedule
-       now") and preempts; preempted blocks that stay cached are given back
-       at the next step, the others go back as they are freed.
+    2. stops admitting: a request that is not running (new, or preempted
+       before) is answered 0 by ``get_num_free_blocks``, so vLLM's
+       ``allocate_slots`` returns ``None`` (its own "cannot schedule now")
+       and the waiting queue stays where it is;
+    3. lets its running requests finish (rule 8, reclaim by completion
+       first): a running request may still grow into free blocks of the
+       pages this engine already holds (:meth:`_room_in_held_pages`; never a
+       new page: the pool's free memory is the waiter's), so the memory
+       comes back as they complete;
+    4. preempts only on the verdict: each step it publishes ``freeing`` (the
+       pages its running requests that finish within :data:`RECLAIM_STEPS`
+       free, :meth:`_freeing`) and reads ``preempt_bytes``; only when that
+       is > 0 does :meth:`on_step` name victims, about that much, the
+       cheapest to recompute first (:meth:`_victims`), which the scheduler
+       hook preempts through vLLM's own ``_preempt_request``. Their blocks go
+       back through :meth:`preempting`, counted as reclaimed by preemption in
+       the tenant's slot (``kvpool top``); any other preemption vLLM makes
+       (a running request with no room left in its pages) is counted the
+       same way.
 
   The same step check gives back whole cached pages above a lowered limit.
   Reclaiming happens only at those points: on the engine's thread (vLLM's
@@ -60,6 +75,10 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -78,6 +97,25 @@ from vllm.v1.core.block_pool import BlockPool
 STALL_S = 30.0
 # Pages given back per step above a lowered limit, or (at least) while lending.
 RECLAIM_PAGES_PER_CHECK = 4
+# The reclaim bound (ARCHITECTURE.md "Fair share", rule 8): a running request
+# that finishes within this many decode steps frees its memory by completion,
+# and its pages are published as ``freeing``. vLLM decodes one token per
+# running request per step, so steps left = tokens left: ``max_tokens`` minus
+# the output so far (an upper bound: EOS or a stop string may end it sooner,
+# so freeing is understated, never overstated). The demo engines' bound
+# (demo/sched.py RECLAIM_STEPS), measured there on the virtual clock.
+RECLAIM_STEPS = 256
+
+
+@dataclass(frozen=True)
+class Running:
+    """A running vLLM request as the reclaim decision sees it (built by the
+    scheduler hook, only while this engine lends)."""
+
+    request: Any  # vLLM's Request
+    steps_left: int  # decode steps until max_tokens
+    computed: int  # tokens a preemption would recompute
+    block_ids: list[int]  # every group's blocks
 
 
 class _SpaceFreeQueue(FreeQueue):
@@ -171,6 +209,15 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         # shortage) is the queue's ``lending``: the free count answers from it
         # without reading the budget.
         self._lend_pages = 0  # cached pages given back in this lending episode
+        # Reclaim by completion first (rule 8). While lending, a running
+        # request's allocate_slots runs with _growing set (the scheduler
+        # hook): the free count is then _room, the free blocks of the pages
+        # this engine holds (None: not read since the last step or
+        # preemption), never the pool's.
+        self._growing = False
+        self._room: int | None = None
+        self._freeing_published = 0
+        self._page_first = np.asarray(space.geometry._ranges[0], dtype=np.int64)  # first block of each page
         self._log = get_logger(pool=space.pool.name if space.pool else None, tenant=space.name)
 
     # -- what vLLM asks ---------------------------------------------------------
@@ -186,7 +233,28 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         # trusting it: what it was told it gets, even if the budget starts
         # lending in between (issue 14; the queue's ``promised``). One
         # implementation: the queue's native count.
-        return self.free_block_queue.get_num_free_blocks()  # type: ignore[no-any-return]
+        queue = self.free_block_queue
+        if self._growing and queue.lending and not queue.virtual_count:
+            return self._growth_count()
+        return queue.get_num_free_blocks()  # type: ignore[no-any-return]
+
+    def _growth_count(self) -> int:
+        """A lender's free count for a running request: what its held pages
+        still have free. Promised like any count (the space grants a promised
+        alloc while lending), and exact: a promise the held pages cannot keep
+        would take a new page from the pool, the waiter's memory."""
+        queue = self.free_block_queue
+        if self._room is None:
+            self._room = self._room_in_held_pages()
+        free = min(self._room, int(queue.num_free_blocks))
+        queue.promised = free
+        return free
+
+    def _room_in_held_pages(self) -> int:
+        """Free blocks on this engine's ACTIVE pages (what a grant fills
+        without committing a page). One native read of every page, only while
+        lending: at most once per step and once per preemption."""
+        return sum(p.capacity - p.used for p in self.space.page_occupancy() if p.state == "active")
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
         # vLLM's contract: beyond the free count is a ValueError. The count
@@ -261,12 +329,17 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         self._release_evictable(list(self._evictable.values()))
         return True
 
-    def on_step(self, num_waiting: int | None = None) -> None:
+    def on_step(self, num_waiting: int | None = None,
+                running: Callable[[], Sequence[Running]] | None = None) -> list[Any]:
         """Called at the start of each scheduler step (the engine's thread, no
         prefix-cache lookup pending) with the number of requests vLLM has
-        queued (``None``: unknown, taken as some): act on the budget's
-        verdict and tell the pool whether this engine is short."""
-        self._check_budget(num_waiting)
+        queued (``None``: unknown, taken as some) and a reader of its running
+        requests (called only while this engine lends): act on the
+        budget's verdict, publish what completes within the bound, and tell
+        the pool whether this engine is short. Returns the requests to
+        preempt now (vLLM's, cheapest first; empty unless the verdict's
+        ``preempt_bytes`` > 0)."""
+        return self._check_budget(num_waiting, running)
 
     def note_miss(self) -> None:
         """vLLM's ``allocate_slots`` answered ``None`` (the free count did not
@@ -278,7 +351,33 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
     def on_idle(self) -> None:
         """Called by the engine core while it has no requests (its own thread):
         give cached pages back if the budget says so."""
-        self._check_budget(0)
+        self._check_budget(0, None)
+
+    @contextmanager
+    def preempting(self, request: Any) -> Iterator[None]:
+        """Around vLLM's ``_preempt_request(request)``: the blocks it frees go
+        back as a preemption (``KVSpace.free_preempted``: requests preempted,
+        tokens to recompute, bytes reclaimed by preemption in the tenant's
+        slot) instead of the queue's plain free. Blocks that stay cached
+        (prefix caching) are held as usual and counted when given back."""
+        queue = self.free_block_queue
+        tokens = max(0, int(request.num_computed_tokens))  # vLLM zeroes it
+        freed: list[Any] = []
+        # vLLM's free_blocks calls free_block_queue.prepend_n: collect them
+        # (an instance attribute shadows the native method for this call only).
+        queue.prepend_n = freed.extend
+        try:
+            yield
+        finally:
+            del queue.prepend_n
+            if self._reuse_watchers:
+                freed = queue._keep_readable(freed)
+            if freed:
+                ids = np.fromiter((b.block_id for b in freed), dtype=np.int64, count=len(freed))
+                self.space.free_preempted(ids, requests=1, tokens=tokens)
+                queue.num_free_blocks += len(freed)
+            queue.note_if_idle()
+            self._room = None  # the freed slots of pages still held are room again
 
     @property
     def lending(self) -> bool:
@@ -343,15 +442,36 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
     def _granted(self, n: int, blocks: list[Any]) -> list[Any]:
         queue = self.free_block_queue
         queue.promised = max(0, queue.promised - n)
+        if self._growing and self._room is not None:
+            self._room = max(0, self._room - n)
         if self._lending:  # granted: the space may no longer lend
             self._set_lending(self.space.budget())
         return blocks
 
-    def _check_budget(self, num_waiting: int | None) -> None:
-        """Once per step: read the budget, give back what it asks for, report want."""
+    def _check_budget(self, num_waiting: int | None,
+                      running: Callable[[], Sequence[Running]] | None) -> list[Any]:
+        """Once per step: read the budget, give back what it asks for, publish
+        what completes within the bound, report want; the victims to preempt."""
         self.free_block_queue.promised = 0  # a free count promises blocks to its own step only
+        self._room = None
         b = self.space.budget()  # one native call
         self._set_lending(b)
+        live: Sequence[Running] = ()
+        # Only a lender's freeing is read (the verdict counts it up to what
+        # it borrows, while someone below its guarantee waits): the others
+        # publish 0 and skip the walk, which costs a pass over the running
+        # requests' blocks each step.
+        if running is not None and b.lending and self.space.pool is not None:
+            live = running()
+            freeing = self._freeing(live)
+            if freeing != self._freeing_published:
+                self.space.publish_freeing(freeing)
+                self._freeing_published = freeing
+                b = self.space.budget()  # the verdict counts it
+                self._set_lending(b)
+        elif self._freeing_published and self.space.pool is not None:
+            self.space.publish_freeing(0)
+            self._freeing_published = 0
         if self._evictable:
             # Unthrottled: over its limit an engine's cached pages cannot be
             # recommitted, so they must not stay counted as free.
@@ -365,6 +485,51 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         missed, self._missed = self._missed, False
         short = queued > 0 and (missed or self.space.available() + len(self._evictable) < self._blocks_per_page)
         self._report_waiting(int(short))
+        if not (b.lending and b.preempt_bytes > 0 and live):
+            return []
+        victims = self._victims(live, b.preempt_bytes)
+        self._log.info("vllm preempt", preempt_bytes=b.preempt_bytes, freeing_bytes=b.freeing_bytes,
+                       requests=len(victims), tokens=sum(v.computed for v in victims),
+                       running=len(live))
+        return [v.request for v in victims]
+
+    def _pages(self, block_ids: Sequence[int]) -> set[int]:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        ids = ids[ids > 0]  # vLLM's null block (0) stands in for blocks a window dropped
+        return set(np.unique(np.searchsorted(self._page_first, ids, side="right") - 1).tolist())
+
+    def _freeing(self, live: Sequence[Running]) -> int:
+        """Bytes of the pages that go back when the running requests finishing
+        within the bound complete: the pages only they hold (a page shared
+        with a request that keeps running stays committed)."""
+        finishing: set[int] = set()
+        held: set[int] = set()
+        for r in live:
+            (finishing if r.steps_left <= RECLAIM_STEPS else held).update(self._pages(r.block_ids))
+        return len(finishing - held) * self._page_commit_bytes
+
+    def _victims(self, live: Sequence[Running], need_bytes: int) -> list[Running]:
+        """Running requests to preempt for ``need_bytes``, cheapest recompute
+        first: those that do not finish within the bound before those that
+        do (completion frees them anyway), a request never preempted before
+        one that was (no ping-pong), then fewest computed tokens. Taken until
+        the pages no remaining request holds cover the need: "about that
+        much", to the page (a page that does not empty gives nothing back)."""
+        pages = [self._pages(r.block_ids) for r in live]
+        holders = Counter(p for ps in pages for p in ps)
+        order = sorted(range(len(live)), key=lambda i: (
+            live[i].steps_left <= RECLAIM_STEPS, int(getattr(live[i].request, "num_preemptions", 0)) > 0,
+            live[i].computed))
+        out: list[Running] = []
+        gained = 0
+        for i in order:
+            if gained >= need_bytes:
+                break
+            out.append(live[i])
+            for p in pages[i]:
+                holders[p] -= 1
+                gained += self._page_commit_bytes if holders[p] == 0 else 0
+        return out
 
     def _set_lending(self, b: BudgetStats) -> None:
         queue = self.free_block_queue

@@ -279,6 +279,59 @@ def the_free_count_vllm_read_is_granted_even_if_the_engine_turns_lender_before_i
 
 
 @check
+def a_lender_admits_nothing_new_lets_running_requests_grow_and_preempts_only_on_the_verdict(name: str) -> None:
+    # Issue 31 item 4 (ARCHITECTURE.md "Fair share", rule 8). Three running
+    # requests: a (page 0, long, costly), b (page 1, long, cheap), c (page 2,
+    # finishing within the bound; page 2 has one block free).
+    from types import SimpleNamespace
+
+    with block_pool(name, pages=4, caching=False) as p:
+        got = p.get_new_blocks(3 + 2 * PER_PAGE)  # pages 0-2: borrows a page above its 2-page guarantee
+        by_page = {pg: [b for b in got if b.block_id // PER_PAGE == pg] for pg in range(3)}
+        p.free_blocks(by_page[2][-1:])  # room for one block in page 2
+        reqs = {k: SimpleNamespace(num_computed_tokens=t, num_preemptions=0) for k, t in
+                (("a", 500), ("b", 20), ("c", 90))}
+        blocks = {"a": by_page[0], "b": by_page[1], "c": by_page[2][:-1]}
+        steps = {"a": 10_000, "b": 10_000, "c": 10}
+
+        def running() -> list[bp.Running]:
+            return [bp.Running(reqs[k], steps[k], reqs[k].num_computed_tokens, [b.block_id for b in blocks[k]])
+                    for k in blocks]
+
+        with other_space(p) as other:
+            wait_below_guarantee(other, 2 * PER_PAGE)  # lacks one page; c's completion frees one
+            assert p.on_step(1, running) == []  # verdict 0: nothing to preempt
+            b = p.space.budget()
+            assert p.lending and b.freeing_bytes == PAGE and b.preempt_bytes == 0, b
+            assert p.get_num_free_blocks() == 0  # a new request is not admitted
+            committed = p.space.stats().committed_bytes
+            p._growing = True  # (the allocate_slots hook, for a running request)
+            try:
+                assert p.get_num_free_blocks() == 1  # a running one grows into the pages it holds...
+                blocks["c"] += p.get_new_blocks(1)
+                assert p.get_num_free_blocks() == 0
+            finally:
+                p._growing = False
+            assert p.space.stats().committed_bytes == committed  # ...never into a new page
+            # A light waiter (below its headroom) needs its page now: the verdict asks.
+            other.set_headroom(2 * PAGE)
+            victims = p.on_step(1, running)
+            assert p.space.budget().preempt_bytes == PAGE
+            assert victims == [reqs["b"]], victims  # one page: the cheapest recompute not finishing soon
+            with p.preempting(reqs["b"]):
+                p.free_blocks(blocks.pop("b"))  # what vLLM's _preempt_request frees
+            b = p.space.budget()
+            assert (b.preemptions_asked, b.requests_preempted, b.tokens_recomputed) == (1, 1, 20), b
+            assert b.reclaimed_by_preemption_bytes == PER_PAGE * BLOCK, b
+            assert p.space.stats().committed_bytes == committed - PAGE  # its page went back at once
+            assert len(other.alloc(2 * PER_PAGE)) == 2 * PER_PAGE
+            other.report_waiting(0)
+            p.on_step(0, running)
+            assert not p.lending
+            p.free_blocks(blocks["a"] + blocks["c"])
+
+
+@check
 def a_count_does_not_promise_past_its_own_step(name: str) -> None:
     with block_pool(name, pages=4, caching=False) as p:
         held = p.get_new_blocks(3 + 2 * PER_PAGE)

@@ -377,8 +377,12 @@ def every_replacement_takes_every_call_vllm_makes_to_the_original_and_forwards_i
 # release that renames one fails here by name, not in an engine.
 READS = {
     "vllm.v1.core.sched.scheduler.Scheduler": ("waiting", "kv_holding_waiting", "defer_block_free",
-                                               "kv_cache_manager", "vllm_config", "schedule"),
-    "vllm.v1.core.kv_cache_manager.KVCacheManager": ("block_pool", "allocate_slots"),
+                                               "kv_cache_manager", "vllm_config", "schedule", "running",
+                                               "_preempt_request", "_request_blocks_can_be_freed",
+                                               "requires_kv_delivery"),
+    "vllm.v1.core.kv_cache_manager.KVCacheManager": ("block_pool", "allocate_slots", "get_block_ids"),
+    "vllm.v1.request.Request": ("request_id", "status", "max_tokens", "num_output_tokens", "num_computed_tokens",
+                                "num_preemptions"),
     "vllm.v1.engine.core.EngineCore": ("model_executor", "scheduler"),
     "vllm.v1.engine.core.EngineCoreProc": ("input_queue",),
     "vllm.v1.executor.abstract.Executor": ("vllm_config",),
