@@ -47,7 +47,7 @@ Why this shape:
        new page: the pool's free memory is the waiter's), so the memory
        comes back as they complete;
     4. preempts only on the verdict: each step it publishes ``freeing`` (the
-       pages its running requests that finish within :data:`RECLAIM_STEPS`
+       pages its running requests that finish within ``_reclaim.RECLAIM_STEPS``
        free, :meth:`_freeing`) and reads ``preempt_bytes``; only when that
        is > 0 does :meth:`on_step` name victims, about that much, the
        cheapest to recompute first (:meth:`_victims`), which the scheduler
@@ -75,10 +75,8 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -86,6 +84,8 @@ import numpy as np
 from kvpool import BudgetStats, KVSpace, PoolExhausted, RequestTooLarge
 from kvpool.block_queue import FreeQueue, raise_alloc_failure
 from kvpool.tracing import get_logger
+
+from ._reclaim import Reclaim, Running
 
 from vllm.v1.core.block_pool import BlockPool
 
@@ -97,27 +97,6 @@ from vllm.v1.core.block_pool import BlockPool
 STALL_S = 30.0
 # Pages given back per step above a lowered limit, or (at least) while lending.
 RECLAIM_PAGES_PER_CHECK = 4
-# The reclaim bound (ARCHITECTURE.md "Fair share", rule 8): a running request
-# that finishes within this many decode steps frees its memory by completion,
-# and its pages are published as ``freeing``. vLLM decodes one token per
-# running request per step, so steps left = tokens left: ``max_tokens`` minus
-# the output so far (an upper bound: EOS or a stop string may end it sooner,
-# so freeing is understated, never overstated). The demo engines' bound
-# (demo/sched.py RECLAIM_STEPS), measured there on the virtual clock.
-RECLAIM_STEPS = 256
-
-
-@dataclass(frozen=True)
-class Running:
-    """A running vLLM request as the reclaim decision sees it (built by the
-    scheduler hook, only while this engine lends)."""
-
-    request: Any  # vLLM's Request
-    steps_left: int  # decode steps until max_tokens
-    computed: int  # tokens a preemption would recompute
-    block_ids: list[int]  # every group's blocks
-
-
 class _SpaceFreeQueue(FreeQueue):
     """vLLM's free block queue, kept by the space: what vLLM's own
     ``BlockPool`` methods (``get_new_blocks``, ``free_blocks``, ``touch``,
@@ -218,6 +197,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         self._room: int | None = None
         self._freeing_published = 0
         self._page_first = np.asarray(space.geometry._ranges[0], dtype=np.int64)  # first block of each page
+        self._reclaim = Reclaim(self._page_first, self._page_commit_bytes)  # what completes, whom to preempt
         self._log = get_logger(pool=space.pool.name if space.pool else None, tenant=space.name)
 
     # -- what vLLM asks ---------------------------------------------------------
@@ -463,7 +443,7 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         # requests' blocks each step.
         if running is not None and b.lending and self.space.pool is not None:
             live = running()
-            freeing = self._freeing(live)
+            freeing = self._reclaim.freeing(live)
             if freeing != self._freeing_published:
                 self.space.publish_freeing(freeing)
                 self._freeing_published = freeing
@@ -487,49 +467,11 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         self._report_waiting(int(short))
         if not (b.lending and b.preempt_bytes > 0 and live):
             return []
-        victims = self._victims(live, b.preempt_bytes)
+        victims = self._reclaim.victims(live, b.preempt_bytes)
         self._log.info("vllm preempt", preempt_bytes=b.preempt_bytes, freeing_bytes=b.freeing_bytes,
                        requests=len(victims), tokens=sum(v.computed for v in victims),
                        running=len(live))
         return [v.request for v in victims]
-
-    def _pages(self, block_ids: Sequence[int]) -> set[int]:
-        ids = np.asarray(block_ids, dtype=np.int64)
-        ids = ids[ids > 0]  # vLLM's null block (0) stands in for blocks a window dropped
-        return set(np.unique(np.searchsorted(self._page_first, ids, side="right") - 1).tolist())
-
-    def _freeing(self, live: Sequence[Running]) -> int:
-        """Bytes of the pages that go back when the running requests finishing
-        within the bound complete: the pages only they hold (a page shared
-        with a request that keeps running stays committed)."""
-        finishing: set[int] = set()
-        held: set[int] = set()
-        for r in live:
-            (finishing if r.steps_left <= RECLAIM_STEPS else held).update(self._pages(r.block_ids))
-        return len(finishing - held) * self._page_commit_bytes
-
-    def _victims(self, live: Sequence[Running], need_bytes: int) -> list[Running]:
-        """Running requests to preempt for ``need_bytes``, cheapest recompute
-        first: those that do not finish within the bound before those that
-        do (completion frees them anyway), a request never preempted before
-        one that was (no ping-pong), then fewest computed tokens. Taken until
-        the pages no remaining request holds cover the need: "about that
-        much", to the page (a page that does not empty gives nothing back)."""
-        pages = [self._pages(r.block_ids) for r in live]
-        holders = Counter(p for ps in pages for p in ps)
-        order = sorted(range(len(live)), key=lambda i: (
-            live[i].steps_left <= RECLAIM_STEPS, int(getattr(live[i].request, "num_preemptions", 0)) > 0,
-            live[i].computed))
-        out: list[Running] = []
-        gained = 0
-        for i in order:
-            if gained >= need_bytes:
-                break
-            out.append(live[i])
-            for p in pages[i]:
-                holders[p] -= 1
-                gained += self._page_commit_bytes if holders[p] == 0 else 0
-        return out
 
     def _set_lending(self, b: BudgetStats) -> None:
         queue = self.free_block_queue
