@@ -425,7 +425,7 @@ class KVCacheManager(_LimitsMixin, _ManagerFace):
         if type(blocks) is _ndarray:
             try:
                 r = self._native.free(blocks)
-            except TypeError:  # not a 1-D C-contiguous int64 array: the checked path
+            except TypeError:  # not a 1-D C-contiguous int64 array: the space converts it
                 available = self.space._free(blocks)
             else:
                 if not isinstance(r, int):

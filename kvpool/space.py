@@ -43,7 +43,7 @@ _ndarray = np.ndarray
 def alloc_failed(f: _core.native.Failure, n: int) -> NoReturn:
     """Raise for a failed native alloc of ``n`` (KVSpace and the manager's fast path share it)."""
     if f.code == _core.CODE_INVALID:
-        V.integer("n", n)  # a negative n: the checked path's ValueError
+        V.integer("n", n)  # a negative n: the same ValueError as a non-int n
     _core.raise_failure(f, requested=n)
 
 
