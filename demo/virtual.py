@@ -78,7 +78,7 @@ from kvpool import Geometry, KVCacheManager, Pool
 from .clock import NanoClock, VirtualClockLoop
 from .common import COMMIT_BYTES_PER_BLOCK, headroom_bytes, stop_monitor, summarize
 from .sched import Running, Scheduler
-from .traces import BLOCK_TOKENS, Request, make_trace
+from .traces import BLOCK_TOKENS, Request, make_trace, shifted
 
 BLOCKS_PER_PAGE = 8  # as the real demo: 64 KiB pages of 8 KiB blocks
 VIRTUAL_BLOCK_BYTES = 512  # 8 to the base page: the smallest pages the CPU backend takes
@@ -309,12 +309,20 @@ def poll_waiting(engines: list[VirtualEngine]) -> bool:
 async def compare(args: argparse.Namespace,
                   modes: tuple[str, ...] = ("elastic", "static")) -> dict[str, dict[str, Any]]:
     """``modes`` of ``args`` (see :func:`kvpool.demo.cli.options`) on the virtual clock, one trace, no output;
-    ``alone`` is the reference of :func:`run_mode_virtual`.
+    ``alone`` is the reference of :func:`run_mode_virtual`, and ``shifted`` another: the static split
+    on the same requests each arriving up to 1 ms later (:func:`kvpool.demo.traces.shifted`), whose
+    figures against static's are the noise of the measurement itself.
 
     Run it with :func:`kvpool.demo.clock.run_virtual`.
     """
     trace = make_trace(args.engines, args.duration, args.burst, args.seed, args.trace, args.prompt_scale)
-    return {mode: await run_mode_virtual(mode, args, trace, None) for mode in modes}
+    out = {}
+    for mode in modes:
+        if mode == "shifted":  # the static split on the same requests, each up to 1 ms later
+            out[mode] = await run_mode_virtual("static", args, shifted(trace, args.seed), None)
+        else:
+            out[mode] = await run_mode_virtual(mode, args, trace, None)
+    return out
 
 
 def step_model() -> dict[str, float]:

@@ -6,6 +6,15 @@ ratio and the waiting ratio (elastic / static) over the seeds, and the seeds
 that miss the acceptance bar (every engine's p99 <= static, waiting <= 0.5x).
 The figures are exact: rerunning gives the same table on any machine.
 
+``--noise`` also runs the static split on the same requests, each arriving up
+to 1 ms later (:func:`kvpool.demo.traces.shifted`): how far an engine's TTFT
+p99 moves when nothing but the phase of the steps changes, the noise of the
+measurement itself. Per burst and shape it prints that envelope (the largest
+ratio shifted/static over the seeds and engines) and judges issue 31's p99
+bar against it as well as against the literal 1%: with one shared device a
+light engine's p99 over its two to six requests is one request's wait for
+the step in progress, which a 1 ms shift alone moves by up to 1.3x.
+
 ``--reference`` also runs every engine *alone*: each with a pool of the
 whole capacity to itself, the most memory any sharing policy could give it,
 and prints that reference's waiting ratio to static beside elastic's. Where
@@ -18,7 +27,7 @@ among the demo options runs every burst in turn (default: ``--burst``'s one).
 ``kvpool demo --sweep`` shows one shape and seed per engine; this script
 summarises many seeds per shape against the acceptance bars.
 
-    python scripts/demo_virtual_sweep.py [--seeds 20] [--reference] [--json out.jsonl] [demo options...]
+    python scripts/demo_virtual_sweep.py [--seeds 20] [--reference] [--noise] [--json out.jsonl] [demo options...]
 """
 
 from __future__ import annotations
@@ -38,9 +47,11 @@ def main() -> None:
     ap.add_argument("--json", help="also write one JSON line per run here")
     ap.add_argument("--reference", action="store_true",
                     help="also run every engine alone with the whole pool (the best any policy could give it)")
+    ap.add_argument("--noise", action="store_true",
+                    help="also run static on the same requests shifted by up to 1 ms (the measurement's own noise)")
     args, demo_argv = ap.parse_known_args()
     sink = open(args.json, "w") if args.json else None
-    modes = ("elastic", "static", "alone") if args.reference else ("elastic", "static")
+    modes = ("elastic", "static", *(("alone",) if args.reference else ()), *(("shifted",) if args.noise else ()))
     base = options(["--clock", "virtual", *demo_argv])
     bursts = base.sweep or (base.burst,)
     for burst, shape in ((b, s) for b in bursts for s in SHAPES):
@@ -58,6 +69,9 @@ def main() -> None:
                    "tokens_per_s": el["tokens_per_s"] / st["tokens_per_s"],
                    "preemptions": el["preemptions"],
                    "recomputed": figures[-1]["recomputed_share"]}
+            if args.noise:
+                row["noise_ttft_p99"] = [ratio(a["ttft_p99_s"], b["ttft_p99_s"])
+                                         for a, b in zip(res["shifted"]["engines"], st["engines"])]
             if args.reference:
                 alone = res["alone"]
                 row["alone_wait"] = ratio(alone["wait_s"], st["wait_s"])
@@ -76,12 +90,23 @@ def main() -> None:
         rec = [r["recomputed"] for r in rows]
         print(f"{'':9}  preemptions median {statistics.median(r['preemptions'] for r in rows)} max "
               f"{max(r['preemptions'] for r in rows)}; tokens recomputed / served max {max(rec):.2%}")
+        noise = 1.01
+        if args.noise:
+            noise = max(1.01, max(max(r["noise_ttft_p99"]) for r in rows))
+            print(f"{'':9}  noise: static on the requests shifted by up to 1 ms / static, worst engine's TTFT p99 "
+                  f"max {max(max(r['noise_ttft_p99']) for r in rows):.2f}, over 1.01 in "
+                  f"{sum(max(r['noise_ttft_p99']) > 1.01 for r in rows)} of {len(rows)} seeds")
         if args.reference:
             # Issue 31's bar: p99 <= 1.01x static, recompute <= 2%, waiting <= 0.5x where the
             # engines alone with the whole pool wait <= 0.25x static, else <= 1.0x.
-            miss31 = [r["seed"] for r in rows if max(r["ttft_p99"]) > 1.01 or r["recomputed"] > 0.02
-                      or r["wait"] > (0.5 if r["alone_wait"] <= 0.25 else 1.0)]
-            print(f"{'':9}  issue 31's bar: seeds missing it: {miss31 or 'none'}")
+            def misses(p99_bar: float) -> list[int]:
+                return [r["seed"] for r in rows if max(r["ttft_p99"]) > p99_bar or r["recomputed"] > 0.02
+                        or r["wait"] > (0.5 if r["alone_wait"] <= 0.25 else 1.0)]
+
+            print(f"{'':9}  issue 31's bar: seeds missing it: {misses(1.01) or 'none'}")
+            if args.noise:
+                print(f"{'':9}  the same with the p99 bar at the noise ({noise:.2f}x): seeds missing it: "
+                      f"{misses(noise) or 'none'}")
             alone = [r["alone_wait"] for r in rows]
             print(f"{'':9}  alone (each engine with the whole pool): waiting ratio min {min(alone):.2f} "
                   f"median {statistics.median(alone):.2f} max {max(alone):.2f}; seeds where even it waits more "
