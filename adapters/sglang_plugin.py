@@ -38,6 +38,13 @@ What changes, in the scheduler process, at SGLang's own points:
    parallelism, PD disaggregation, PD multiplexing, MLX overlap) and tensor
    parallelism (each rank's scheduler would allocate from its own space, and
    SGLang's ranks must allocate alike).
+6. ``ScheduleBatch.retract_decode`` (SGLang's preemption): the pages a
+   retraction frees reach the space as a preemption
+   (:meth:`kvpool.KVSpace.free_preempted`), so ``kvpool top``, ``stats()``
+   and Prometheus count this engine's preemptions. While the engine lends,
+   the allocator's ``available_size()`` acts on the pool's verdict: no new
+   pages, and the bytes the verdict asks for are missing, so SGLang's decode
+   gate retracts exactly enough requests (:mod:`kvpool.adapters._sglang_lending`).
 
 Supported: MHA models with SGLang's default (NHD, unquantized) KV layout,
 any page size, one scheduler per engine (TP=1, no DP attention), on CPU and
@@ -238,7 +245,22 @@ def _dispatch_event_loop_once(original: Callable[..., Any], scheduler: Any, *arg
     return original(scheduler, *args, **kwargs)
 
 
-# SGLang's targets and kvpool's AROUND hooks (module docstring, 1-5).
+def _retract_decode(original: Callable[..., Any], batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """``ScheduleBatch.retract_decode``: SGLang's preemption. The pages it frees reach the
+    space as a preemption, counted in the tenant's slot (module docstring, 6)."""
+    allocator = getattr(batch, "token_to_kv_pool_allocator", None)
+    if not isinstance(allocator, KVPoolTokenAllocator):
+        return original(batch, *args, **kwargs)
+    allocator.begin_preemption()
+    out = original(batch, *args, **kwargs)
+    retracted = out[0]
+    # A retracted request keeps its output: its prompt and output are prefilled again.
+    tokens = sum(len(r.origin_input_ids) + len(r.output_ids) for r in retracted)
+    allocator.end_preemption(len(retracted), tokens)
+    return out
+
+
+# SGLang's targets and kvpool's AROUND hooks (module docstring, 1-6).
 HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
     ("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal", _create_buffers_normal),
     ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool_allocator",
@@ -248,6 +270,7 @@ HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
     ("sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_full_pool",
      _check_full_pool),
     ("sglang.srt.managers.scheduler._dispatch_event_loop_once", _dispatch_event_loop_once),
+    ("sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode", _retract_decode),
 )
 
 

@@ -20,6 +20,13 @@ whole capacity to itself, the most memory any sharing policy could give it,
 and prints that reference's waiting ratio to static beside elastic's. Where
 even the reference waits more than half as long as static, no policy of the
 pool can meet the waiting bar for that shape: the queue is for compute.
+Alone, the engines together may hold up to one pool *each*: the script
+prints for how much of the run they held more than the one pool a sharing
+policy has (``alone_over_pool``, from the alone run's timeline). Where that
+share is large, alone's waiting is a bound no policy of one pool can reach,
+and issue 31's "<= 0.5x static where alone waits <= 0.25x" is judged a
+second time with the 0.5x bar only where alone's engines fitted the pool
+for at least 95% of the run.
 
 Each case runs through :mod:`kvpool.demo.sweep`, as ``kvpool demo --sweep``
 does (one implementation of a sweep's runs and figures); ``--sweep BURSTS``
@@ -37,6 +44,7 @@ import json
 import statistics
 
 from kvpool.demo.cli import options
+from kvpool.demo.common import COMMIT_BYTES_PER_BLOCK
 from kvpool.demo.sweep import per_engine, ratio, run_case
 from kvpool.demo.traces import SHAPES
 
@@ -77,6 +85,7 @@ def main() -> None:
                 row["alone_wait"] = ratio(alone["wait_s"], st["wait_s"])
                 row["alone_ttft_p99"] = [a["ttft_p99_s"] / b["ttft_p99_s"]
                                          for a, b in zip(alone["engines"], st["engines"])]
+                row["alone_over_pool"] = over_pool(alone["timeline"], opts.pool_blocks * COMMIT_BYTES_PER_BLOCK)
             rows.append(row)
             if sink is not None:
                 print(json.dumps(row), file=sink, flush=True)
@@ -99,20 +108,34 @@ def main() -> None:
         if args.reference:
             # Issue 31's bar: p99 <= 1.01x static, recompute <= 2%, waiting <= 0.5x where the
             # engines alone with the whole pool wait <= 0.25x static, else <= 1.0x.
-            def misses(p99_bar: float) -> list[int]:
+            def misses(p99_bar: float, fits: float = 0.0) -> list[int]:
+                # fits: the 0.5x waiting bar applies only where alone's engines together held
+                # more than the pool for at most this share of the run (0: the issue's literal bar).
                 return [r["seed"] for r in rows if max(r["ttft_p99"]) > p99_bar or r["recomputed"] > 0.02
-                        or r["wait"] > (0.5 if r["alone_wait"] <= 0.25 else 1.0)]
+                        or r["wait"] > (0.5 if r["alone_wait"] <= 0.25 and (not fits or r["alone_over_pool"] <= fits)
+                                        else 1.0)]
 
             print(f"{'':9}  issue 31's bar: seeds missing it: {misses(1.01) or 'none'}")
             if args.noise:
                 print(f"{'':9}  the same with the p99 bar at the noise ({noise:.2f}x): seeds missing it: "
                       f"{misses(noise) or 'none'}")
+            over = [r["alone_over_pool"] for r in rows]
+            print(f"{'':9}  alone, the engines together held more than one pool for {min(over):.0%}-{max(over):.0%} "
+                  f"of the run; with the 0.5x waiting bar only where they fitted it 95% of the time"
+                  f"{' and the p99 bar at the noise' if args.noise else ''}: seeds missing it: "
+                  f"{misses(noise, 0.05) or 'none'}")
             alone = [r["alone_wait"] for r in rows]
             print(f"{'':9}  alone (each engine with the whole pool): waiting ratio min {min(alone):.2f} "
                   f"median {statistics.median(alone):.2f} max {max(alone):.2f}; seeds where even it waits more "
                   f"than 0.5x static: {[r['seed'] for r in rows if r['alone_wait'] > 0.5] or 'none'}")
     if sink is not None:
         sink.close()
+
+
+def over_pool(timeline: list[dict[str, float]], pool_bytes: int) -> float:
+    """The share of a run's samples in which its engines together held more than ``pool_bytes``."""
+    held = [sum(v for k, v in row.items() if k.startswith("engine-")) for row in timeline]
+    return sum(h > pool_bytes for h in held) / len(held) if held else 0.0
 
 
 if __name__ == "__main__":

@@ -17,10 +17,12 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from kvpool.demo.cli import add_arguments, run
+from kvpool.demo.cli import add_arguments, options, run
 from kvpool.demo.report import sweep_table
-from kvpool.demo.sweep import DEFAULT_SWEEP, parse_bursts
-from kvpool.demo.traces import make_trace
+from kvpool.demo.sweep import DEFAULT_SWEEP, parse_bursts, run_case
+from kvpool.demo.traces import SHIFT_S, make_trace, shifted
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +116,56 @@ def test_kvpool_demo_says_what_is_wrong_with_a_sweep_and_exits_2(tmp_path: Path)
 
 def test_parse_bursts_keeps_the_order_given() -> None:
     assert parse_bursts("24, 10,16") == (24, 10, 16)
+
+
+# ------------------------------------------------- the measurement's noise
+
+def test_shifted_keeps_every_request_and_moves_each_arrival_by_at_most_a_millisecond() -> None:
+    trace = make_trace(3, 20.0, 10, 4, "saturated")
+    before = [(r.rid, r.arrival) for r in trace]
+    a, b, other = shifted(trace, 4), shifted(trace, 4), shifted(trace, 5)
+    assert [(r.rid, r.arrival) for r in trace] == before  # the trace itself is not touched
+    by_rid = {r.rid: r for r in trace}
+    assert sorted(r.rid for r in a) == sorted(by_rid)
+    for r in a:
+        o = by_rid[r.rid]
+        assert (r.engine, r.prompt_len, r.new_tokens, r.token_seed) == (o.engine, o.prompt_len, o.new_tokens,
+                                                                      o.token_seed)
+        assert o.arrival <= r.arrival <= o.arrival + SHIFT_S
+        assert not r.generated and not r.output  # unserved copies
+    assert [r.arrival for r in a] == sorted(r.arrival for r in a)
+    assert [(r.rid, r.arrival) for r in a] == [(r.rid, r.arrival) for r in b]  # one seed, one shift
+    assert [r.arrival for r in a] != [r.arrival for r in other]
+    assert any(r.arrival != by_rid[r.rid].arrival for r in a)
+    with pytest.raises(ValueError, match="span_s"):
+        shifted(trace, 4, -1.0)
+
+
+def test_the_noise_reference_is_static_on_the_shifted_requests() -> None:
+    # "shifted" runs the static split (every engine at its slice) on the
+    # same requests, each up to 1 ms later: the same work, another phase.
+    args = options(["--clock", "virtual", "--trace", "saturated", "--seed", "3"])
+    res = run_case(args, 10, ("static", "shifted"))
+    st, sh = res["static"], res["shifted"]
+    assert set(st["outputs"]) == set(sh["outputs"])
+    assert [e["requests"] for e in st["engines"]] == [e["requests"] for e in sh["engines"]]
+    assert st["tokens"] == sh["tokens"]  # the same work
+    # A static split lends nothing, so nobody is preempted in either.
+    assert st["preemptions"] == sh["preemptions"] == 0
+    # Exact on the virtual clock: the same case twice gives the same figures.
+    again = run_case(args, 10, ("shifted",))["shifted"]
+    assert [e["ttft_p99_s"] for e in again["engines"]] == [e["ttft_p99_s"] for e in sh["engines"]]
+
+
+def test_the_acceptance_sweep_prints_the_noise_and_judges_the_bar_against_it(tmp_path: Path) -> None:
+    out = tmp_path / "rows.jsonl"
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo_virtual_sweep.py"), "--seeds", "2",
+                          "--noise", "--reference", "--json", str(out), "--trace", "saturated", "--burst", "10"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 * 3  # every shape name runs the one --trace given, 2 seeds each
+    assert all(len(r["noise_ttft_p99"]) == len(r["ttft_p99"]) == 3 for r in rows)
+    worst = max(max(r["noise_ttft_p99"]) for r in rows[:2])
+    assert f"worst engine's TTFT p99 max {worst:.2f}" in res.stdout
+    assert f"the p99 bar at the noise ({max(1.01, worst):.2f}x)" in res.stdout

@@ -1,0 +1,184 @@
+"""The SGLang allocator acts on the reclaim rule (issue 31, item 4; kvpool.adapters._sglang_lending).
+
+Two engines on one real pool: ``a`` (SGLang's allocator) borrows, ``b`` (a
+second allocator) waits below its guarantee in a thread, as SGLang's
+scheduler would in an alloc. Events and counts only: the loop below is
+SGLang's own retraction loop (``ScheduleBatch.retract_decode``: retract the
+least valued request until ``check_decode_capacity``, i.e. ``available_size()
+>= the next decode``), applied to the allocator directly.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvpool import Pool
+from kvpool.adapters import sglang_plugin
+from kvpool.adapters.sglang import KVPoolTokenAllocator
+
+from . import _sglang_support as S
+from ._helpers import wait_until
+from ._sglang_support import MakeAlloc
+from .conftest import KiB
+
+make_alloc = pytest.fixture(name="make_alloc")(S.make_alloc_fixture)
+
+PAGE = 32 * KiB  # one kvpool page commit of make_alloc's geometry: 4 blocks (SGLang pages) x 2 regions
+BLOCKS_PER_PAGE = 4
+
+
+def _waiting(pool: str, name: str) -> bool:
+    return any(t.waiting == 1 for t in Pool(pool).tenants() if t.name == name)
+
+
+class _Waiter:
+    """``b`` asks for ``n`` SGLang pages in a thread; it waits in the pool until granted."""
+
+    def __init__(self, b: KVPoolTokenAllocator, n: int) -> None:
+        self.got: Any = None
+        b.shortage_wait_s = 3600  # bounded by the test's timeout, not by a clock assertion
+        self.thread = threading.Thread(target=lambda: setattr(self, "got", b.alloc(n)))
+        self.thread.start()
+
+    def join(self) -> Any:
+        self.thread.join()
+        return self.got
+
+
+@pytest.fixture
+def lending(make_alloc: MakeAlloc, pool_name: str) -> Iterator[tuple[KVPoolTokenAllocator, _Waiter,
+                                                                     list[torch.Tensor]]]:
+    """``a`` holds 7 of the pool's 8 pages (its guarantee is 4) in 7 one-page requests and
+    ``b`` 1; ``b`` waits for 3 more pages, all within its guarantee."""
+    Pool(pool_name, capacity=8 * PAGE)
+    a, b = make_alloc(1, pool=pool_name), make_alloc(1, pool=pool_name)
+    first = a.alloc(BLOCKS_PER_PAGE - 1)  # the rest of the padding page
+    assert first is not None
+    requests = [first] + [a.alloc(BLOCKS_PER_PAGE) for _ in range(6)]
+    assert all(r is not None for r in requests) and a.space.stats().committed_bytes == 7 * PAGE
+    assert a.available_size() == 0
+    waiter = _Waiter(b, BLOCKS_PER_PAGE - 1 + 3 * BLOCKS_PER_PAGE)
+    wait_until(lambda: _waiting(pool_name, b.space.name), "b waits, and tells the pool so")
+    try:
+        yield a, waiter, requests
+    finally:
+        if waiter.thread.is_alive():
+            for r in requests:
+                a.free(r)
+            a.flush()
+            a.flush()
+        waiter.join()
+
+
+def _retract(a: KVPoolTokenAllocator, running: list[torch.Tensor], need: int) -> int:
+    """SGLang's retraction loop (schedule_batch.py, 0.5.23) as the plugin wraps it: pop the
+    least valued request until the next decode's ``need`` tokens fit. Returns how many."""
+    a.begin_preemption()
+    n = 0
+    while a.available_size() < need and running:
+        a.free(running.pop())
+        n += 1
+    a.end_preemption(n, 40 * n)
+    return n
+
+
+@pytest.mark.timeout(120)
+def test_a_lending_sglang_engine_retracts_exactly_what_the_verdict_asks_and_counts_it(lending: Any) -> None:
+    a, b, running = lending
+    a.flush()  # a safe point: the allocator reads its budget
+    verdict = a.space.budget()
+    assert verdict.lending and verdict.preempt_bytes == 3 * PAGE  # b's 3 pages; a publishes no freeing
+    # The verdict's bytes are missing from what SGLang sees: its decode gate misses.
+    assert a.available_size() == 0
+    assert _retract(a, running, need=1) == 4  # 3 pages for b, and one more for the next decode
+    assert a.available_size() == 1 * BLOCKS_PER_PAGE
+    a.flush()  # freed pages stay a step (the batch in flight may read them) ...
+    a.flush()  # ... and reach the space at the second safe point: as a preemption
+    got = b.join()
+    assert got is not None and len(got) == BLOCKS_PER_PAGE - 1 + 3 * BLOCKS_PER_PAGE
+    c = a.space.budget()
+    assert (c.requests_preempted, c.tokens_recomputed) == (4, 160)
+    assert c.reclaimed_by_preemption_bytes == 4 * PAGE
+    assert a.space.pool is not None
+    row = next(t for t in a.space.pool.tenants() if t.name == a.space.name)
+    assert row.requests_preempted == 4
+
+
+@pytest.mark.timeout(120)
+def test_a_lending_sglang_engine_grows_only_into_the_pages_it_holds(lending: Any) -> None:
+    a, b, running = lending
+    a.free(running.pop(0)[:2])  # two SGLang pages of its first page come free (in the space at the 2nd flush)
+    a.flush()
+    a.flush()
+    assert a.space.budget().lending
+    room_before = a.space.stats().committed_bytes
+    # The verdict still asks for b's 3 pages: SGLang sees the room less what it owes.
+    assert a.available_size() == 0
+    assert a.alloc(1) is None  # no new page while lending, and no wait for one
+    assert a.space.stats().committed_bytes == room_before
+    # Once enough is retracted, the next decode grows into the room on its own pages first:
+    # what it freed stays pending, on its way back to the pool.
+    assert _retract(a, running, need=2) == 3
+    pending = a.pending_pages().numel()
+    got = a.alloc(2)
+    assert got is not None and a.pending_pages().numel() == pending
+    assert a.space.stats().committed_bytes == room_before
+
+
+def test_an_engine_that_does_not_lend_sees_the_space_as_before(make_alloc: MakeAlloc, pool_name: str) -> None:
+    Pool(pool_name, capacity=8 * PAGE)
+    a = make_alloc(1, pool=pool_name)
+    before = a.available_size()
+    a.flush()
+    assert not a.space.budget().lending and a.available_size() == before == a.space.available()
+    x = a.alloc(10)
+    assert x is not None
+    a.begin_preemption()
+    a.free(x)
+    a.end_preemption(1, 12)  # a retraction with no lending is counted all the same
+    a.flush()
+    a.flush()
+    c = a.space.budget()
+    assert (c.requests_preempted, c.tokens_recomputed) == (1, 12)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, None])
+def test_end_preemption_refuses_bad_counts_and_changes_nothing(make_alloc: MakeAlloc, bad: Any) -> None:
+    a = make_alloc(1)
+    x = a.alloc(4)
+    a.begin_preemption()
+    a.free(x)
+    before = S.state_of(a)
+    with pytest.raises(ValueError, match="requests"):
+        a.end_preemption(bad, 1)
+    with pytest.raises(ValueError, match="tokens"):
+        a.end_preemption(1, bad)
+    assert S.state_of(a) == before
+
+
+def test_the_plugin_counts_what_sglangs_retract_decode_returns(make_alloc: MakeAlloc) -> None:
+    # The hook on ScheduleBatch.retract_decode: whatever the original frees is a preemption of
+    # the requests it returns (prompt + output tokens each). SGLang's batch is stood in for by
+    # the two attributes the hook reads; the real hook point is checked in plugin_checks.py.
+    a = make_alloc(1)
+    x, y = a.alloc(4), a.alloc(4)
+    reqs = [SimpleNamespace(origin_input_ids=[1] * 30, output_ids=[2] * 5)]
+
+    def retract_decode(batch: Any) -> tuple[list[Any], float, list[Any]]:
+        batch.token_to_kv_pool_allocator.free(x)
+        return reqs, 0.5, []
+
+    out = sglang_plugin._retract_decode(retract_decode, SimpleNamespace(token_to_kv_pool_allocator=a))
+    assert out == (reqs, 0.5, [])
+    a.free(y)  # a completion: not a preemption
+    a.flush()
+    a.flush()
+    c = a.space.budget()
+    assert (c.requests_preempted, c.tokens_recomputed) == (1, 35)
+    assert a.space.stats().committed_bytes <= PAGE  # both went back (the padding page stays)
