@@ -13,6 +13,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvpool import Geometry, KVCacheManager, Pool
@@ -239,6 +240,38 @@ def test_a_waiter_above_its_guarantee_never_makes_anyone_preempt(pool_name: str)
         await asyncio.gather(waiter, return_exceptions=True)
         for m in (a, b, c):
             await m.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_lender_is_never_preempted_below_its_guarantee_so_the_memory_never_ping_pongs(pool_name: str) -> None:
+    # Item 2 (no ping-pong) without an episode state: a verdict never asks a lender for more
+    # than it borrows, so after preempting it still holds its guarantee, and its preempted
+    # requests' wait (above or at its guarantee) never asks the tenant it lent to for them back.
+    Pool(pool_name, capacity=8 * PAGE)  # two tenants: 4 pages guaranteed each
+
+    async def main() -> None:
+        a, b = _manager(pool_name, "a"), _manager(pool_name, "b")
+        held = _pages(a, 7)  # borrows 3 pages; 1 page free
+        waiter = await _wait_queued(b, b.alloc(32))  # b wants 4 pages, its whole guarantee: 3 short
+        assert a.budget().preempt_bytes == 3 * PAGE  # all a borrows, and no more
+        a.free_preempted(np.concatenate([held.pop() for _ in range(3)]), requests=3, tokens=90)
+        b.poll()
+        assert len(await waiter) == 32
+        after = a.budget()
+        assert after.claimed_bytes == after.guarantee_bytes == 4 * PAGE  # down to its guarantee, not below
+        # a's three preempted requests queue again: a waits at its guarantee, b holds exactly its own.
+        again = await _wait_queued(a, a.alloc(24))
+        for m in (a, b):
+            v = m.budget()
+            assert not v.lending and v.preempt_bytes == 0, m
+        assert b.budget().claimed_bytes == 4 * PAGE  # b keeps what it was granted
+        again.cancel()
+        await asyncio.gather(again, return_exceptions=True)
+        counters = a.budget()
+        assert (counters.requests_preempted, counters.tokens_recomputed) == (3, 90)
+        await a.aclose()
+        await b.aclose()
 
     asyncio.run(main())
 
