@@ -80,10 +80,9 @@ class PageStates:
         held: npt.NDArray[np.bool_] = (self.state == HELD) | (self.state == NEW)
         return held
 
-    def take(self, n: int, fresh: Callable[[int], Ids | None], fresh_first: int = 0) -> Ids | None:
-        """``n`` page ids, all or nothing: pending pages (oldest first), then ``fresh(m)`` from the space;
-        at least ``min(n, fresh_first)`` of them fresh (a lender keeps its pending pages on their way back)."""
-        reuse = min(n - min(n, fresh_first), int(self.pending.size))
+    def take(self, n: int, fresh: Callable[[int], Ids | None]) -> Ids | None:
+        """``n`` page ids, all or nothing: pending pages (oldest first), then ``fresh(m)`` from the space."""
+        reuse = min(n, int(self.pending.size))
         got: Ids = np.empty(0, dtype=np.int64)
         if n > reuse:
             more = fresh(n - reuse)

@@ -75,8 +75,8 @@ from kvpool import Geometry, InvalidBlocks, KVSpace, MiB, Pool, PoolClosed, Pool
 from kvpool.geometry import Layout
 from kvpool.pool import default_pool_name
 
-from ._sglang_lending import Lending
 from ._sglang_pages import PageStates
+from ._sglang_preemption import Preemptions
 
 __all__ = ["AllocatorState", "KVPoolTokenAllocator", "token_view"]
 
@@ -192,7 +192,7 @@ class KVPoolTokenAllocator:
             self._owns_space = True
 
         self._pages = PageStates(want)  # every page's state, the pending pages and the live backup
-        self._lending = Lending(self.space, want)  # the reclaim rule while this tenant lends
+        self._preempted = Preemptions(self.space, want)  # SGLang's retractions, counted when their pages go back
         self.free_group: list[Ids] | None = None  # page ids per free() call, or None: no group
         self._closed = False
 
@@ -231,17 +231,9 @@ class KVPoolTokenAllocator:
         return repr(self)
 
     def available_size(self) -> int:
-        """Tokens a following ``alloc`` can deliver: the space's free pages plus pending ones.
-
-        While this tenant lends (its budget, read at each :meth:`flush`): the
-        pending pages and the free blocks on pages it has committed, less what
-        the pool's verdict asks it to give back (:mod:`kvpool.adapters._sglang_lending`).
-        """
+        """Tokens a following ``alloc`` can deliver: the space's free pages plus pending ones."""
         self._check_open()
-        pending = int(self._pages.pending.size)
-        if self._lending.lending:
-            return self._lending.available(pending) * self.page_size
-        return (self.space.available() + pending) * self.page_size
+        return (self.space.available() + int(self._pages.pending.size)) * self.page_size
 
     def held_pages(self) -> torch.Tensor:
         """Page ids SGLang holds now, ascending (for audits and tests)."""
@@ -359,28 +351,14 @@ class KVPoolTokenAllocator:
                              f"page_size of its page for prefix lengths {pre[bad][:8].tolist()}")
 
     def _take(self, n: int) -> Ids | None:
-        """``n`` page ids, all or nothing: pending pages (oldest first), then the space; while
-        lending the room on committed pages first (pending pages are on their way back)."""
-        lend = self._lending
-        if lend.lending and n > lend.available(int(self._pages.pending.size)):
-            return None  # what available_size() does not offer: the pool's, or owed to it
-        pages = self._pages.take(n, lambda m: self._alloc_space(m, n), lend.room if lend.lending else 0)
-        if pages is not None and lend.lending:
-            lend.reused(pages)
+        """``n`` page ids, all or nothing: pending pages (oldest first), then the space."""
+        pages = self._pages.take(n, lambda m: self._alloc_space(m, n))
+        if pages is not None:
+            self._preempted.reused(pages)
         return pages
 
     def _alloc_space(self, m: int, n: int) -> Ids | None:
-        """``m`` blocks of the space, waiting (``KVSpace.acquire``) when only the pool budget is short.
-        While lending only the room on committed pages, promised (the pool refuses growth)."""
-        if self._lending.lending:
-            if m > self._lending.room:
-                return None
-            try:
-                ids = self.space.acquire(m, promised=True, timeout=0)
-            except PoolExhausted:
-                return None
-            self._lending.took(m)
-            return ids
+        """``m`` blocks of the space, waiting (``KVSpace.acquire``) when only the pool budget is short."""
         try:
             return self.space.alloc(m)
         except PoolExhausted:
@@ -501,14 +479,12 @@ class KVPoolTokenAllocator:
         step after their free) and ends a live backup; returns how many.
         """
         self._check_open()
-        n = self._pages.flush(self._lending.give_back)
-        self._lending.refresh()
-        return n
+        return self._pages.flush(self._preempted.give_back)
 
     def clear(self) -> None:
         """Return every page to the space now; drop the free group and any backup."""
         self._check_open()
-        self._pages.clear(self._lending.give_back)
+        self._pages.clear(self._preempted.give_back)
         self.free_group = None
 
     # -- preemption (SGLang's retraction) ------------------------------------------
@@ -516,7 +492,7 @@ class KVPoolTokenAllocator:
         """The frees until :meth:`end_preemption` are a retraction (the plugin wraps
         ``ScheduleBatch.retract_decode``)."""
         self._check_open()
-        self._lending.begin_preemption(int(self._pages.pending.size))
+        self._preempted.begin(int(self._pages.pending.size))
 
     def end_preemption(self, requests: int, tokens: int) -> None:
         """The frees since :meth:`begin_preemption` retracted ``requests`` requests (``tokens`` to
@@ -525,7 +501,7 @@ class KVPoolTokenAllocator:
         for what, v in (("requests", requests), ("tokens", tokens)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise ValueError(f"{what} must be a non-negative int, got {v!r}")
-        self._lending.end_preemption(self._pages.pending, int(requests), int(tokens))
+        self._preempted.end(self._pages.pending, int(requests), int(tokens))
 
     def token_view(self, layer: int, buffer: int, token_shape: Sequence[int]) -> torch.Tensor:
         """Layer ``layer``'s KV buffer ``buffer`` indexed by token: ``(tokens, *token_shape)``.

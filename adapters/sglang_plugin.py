@@ -41,10 +41,9 @@ What changes, in the scheduler process, at SGLang's own points:
 6. ``ScheduleBatch.retract_decode`` (SGLang's preemption): the pages a
    retraction frees reach the space as a preemption
    (:meth:`kvpool.KVSpace.free_preempted`), so ``kvpool top``, ``stats()``
-   and Prometheus count this engine's preemptions. While the engine lends,
-   the allocator's ``available_size()`` acts on the pool's verdict: no new
-   pages, and the bytes the verdict asks for are missing, so SGLang's decode
-   gate retracts exactly enough requests (:mod:`kvpool.adapters._sglang_lending`).
+   and Prometheus count this engine's preemptions
+   (:mod:`kvpool.adapters._sglang_preemption`, which also says why the
+   allocator does not act on the pool's reclaim verdict).
 
 Supported: MHA models with SGLang's default (NHD, unquantized) KV layout,
 any page size, one scheduler per engine (TP=1, no DP attention), on CPU and

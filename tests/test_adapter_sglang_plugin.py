@@ -142,3 +142,4 @@ def test_a_real_sglang_server_generates_the_same_tokens_with_kvpool_holding_its_
     (name, committed), = tenants[1]
     assert name.startswith("sglang-") and committed > 0, tenants  # its pages, in the pool's books
     assert "kvpool is on: pool '" + pool + "'" in (tmp_path / "kvpool.log").read_text()
+

@@ -104,23 +104,16 @@ def the_hooked_originals_take_the_arguments_the_hooks_read() -> None:
 
 
 @check
-def sglangs_retraction_converges_on_the_allocators_available_size() -> None:
-    # The reclaim rule reaches SGLang through available_size() (kvpool.adapters._sglang_lending):
-    # retract_decode retracts until check_decode_mem, which asks the allocator's
-    # check_decode_capacity, whose base reads available_size(); the hook reads the
-    # retracted requests, the first item retract_decode returns.
-    from sglang.srt.mem_cache.allocator import BaseTokenToKVPoolAllocator
-
+def sglangs_retraction_returns_the_requests_the_hook_counts() -> None:
+    # The hook on retract_decode counts its frees as a preemption of the requests it
+    # returns first (kvpool.adapters._sglang_preemption); a retracted request keeps its
+    # output ids, prefilled again with its prompt.
     target = "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode"
     assert (target, plugin._retract_decode) in plugin.HOOKS
     retract = STOCK[target]
     assert list(inspect.signature(retract).parameters) == ["self"]
     source = inspect.getsource(retract)
-    assert "self.check_decode_mem(" in source and "return retracted_reqs, " in source
-    capacity = BaseTokenToKVPoolAllocator.check_decode_capacity
-    assert "self.available_size() >= num_tokens" in inspect.getsource(capacity)
-    ours = plugin._sglang_allocator_class(BaseTokenToKVPoolAllocator)
-    assert ours.check_decode_capacity is capacity  # not overridden: it reads kvpool's available_size()
+    assert "return retracted_reqs, " in source and "self.release_req(" in source
 
 
 @check

@@ -1,0 +1,78 @@
+"""SGLang's retractions, counted as preemptions by :class:`~kvpool.adapters.sglang.KVPoolTokenAllocator`.
+
+SGLang preempts by *retraction* (``ScheduleBatch.retract_decode``): when the
+next decode does not fit it frees the running requests it values least
+(fewest output tokens) until it does, and queues them to be prefilled again.
+The plugin marks the frees of one such call (:meth:`Preemptions.begin` /
+:meth:`Preemptions.end`); when those pages reach the space (the second
+``flush()`` after the free, :mod:`kvpool.adapters._sglang_pages`) they are
+freed with :meth:`kvpool.KVSpace.free_preempted`, so ``kvpool top``,
+``stats()`` and Prometheus count an SGLang engine's preemptions, the tokens
+it must recompute and the bytes they gave back (ARCHITECTURE.md "Fair
+share", rule 8's counters). A marked page that SGLang takes back before it
+reaches the space is no longer on its way back: its mark is dropped.
+
+The allocator does not act on the pool's verdict (``preempt_bytes``), and
+while it lends it reports only its pending pages (the pool refuses its
+allocs): docs/sglang.md, "Known limitation", has what a real server did
+then (2026-12-07: it retracted every request but one and aborted that one)
+and the two ways tried.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from kvpool import KVSpace
+
+__all__ = ["Preemptions"]
+
+Ids = npt.NDArray[np.int64]
+
+
+class Preemptions:
+    """Pages a retraction freed, and its counts, until they reach the space."""
+
+    def __init__(self, space: KVSpace, num_blocks: int) -> None:
+        self.space = space
+        self.marked = np.zeros(num_blocks, dtype=bool)  # freed by a retraction, not yet back in the space
+        self.requests = 0  # retracted requests whose pages are not yet back in the space
+        self.tokens = 0
+        self._pending_before: int | None = None
+
+    def begin(self, pending: int) -> None:
+        """A retraction starts; ``pending``: how many pages are pending now."""
+        self._pending_before = pending
+
+    def end(self, pending_pages: Ids, requests: int, tokens: int) -> None:
+        """The frees since :meth:`begin` (the tail of ``pending_pages``) retracted ``requests``
+        requests (``tokens`` to recompute)."""
+        before, self._pending_before = self._pending_before, None
+        if before is None or requests <= 0:
+            return
+        freed = pending_pages[before:]
+        if freed.size:
+            self.marked[freed] = True
+            self.requests += requests
+            self.tokens += tokens
+
+    def reused(self, pages: Ids) -> None:
+        """Pages an alloc took (pending ones among them are no longer on their way back)."""
+        if self.requests:  # only while a retraction's pages are on their way back
+            self.marked[pages] = False
+            if not self.marked.any():  # all taken back: nothing of it will reach the space
+                self.requests = self.tokens = 0
+
+    def give_back(self, pages: Ids) -> None:
+        """Hand ``pages`` to the space: a retraction's as a preemption, the rest as plain frees."""
+        mark = self.marked[pages]
+        if not mark.any():
+            self.space.free(pages)
+            return
+        self.space.free_preempted(pages[mark], requests=max(1, self.requests), tokens=self.tokens)
+        self.marked[pages[mark]] = False
+        self.requests = self.tokens = 0
+        rest = pages[~mark]
+        if rest.size:
+            self.space.free(rest)
