@@ -37,6 +37,7 @@ class Preemptions:
     def __init__(self, space: KVSpace, num_blocks: int) -> None:
         self.space = space
         self.marked = np.zeros(num_blocks, dtype=bool)  # freed by a retraction, not yet back in the space
+        self.n_marked = 0  # how many are marked: an alloc never scans the whole mask
         self.requests = 0  # retracted requests whose pages are not yet back in the space
         self.tokens = 0
         self._pending_before: int | None = None
@@ -53,25 +54,28 @@ class Preemptions:
             return
         freed = pending_pages[before:]
         if freed.size:
+            self.n_marked += int(freed.size - self.marked[freed].sum())
             self.marked[freed] = True
             self.requests += requests
             self.tokens += tokens
 
     def reused(self, pages: Ids) -> None:
         """Pages an alloc took (pending ones among them are no longer on their way back)."""
-        if self.requests:  # only while a retraction's pages are on their way back
+        if self.n_marked:  # only while a retraction's pages are on their way back
+            self.n_marked -= int(self.marked[pages].sum())
             self.marked[pages] = False
-            if not self.marked.any():  # all taken back: nothing of it will reach the space
+            if not self.n_marked:  # all taken back: nothing of it will reach the space
                 self.requests = self.tokens = 0
 
     def give_back(self, pages: Ids) -> None:
         """Hand ``pages`` to the space: a retraction's as a preemption, the rest as plain frees."""
-        mark = self.marked[pages]
-        if not mark.any():
+        mark = self.marked[pages] if self.n_marked else None
+        if mark is None or not mark.any():
             self.space.free(pages)
             return
         self.space.free_preempted(pages[mark], requests=max(1, self.requests), tokens=self.tokens)
         self.marked[pages[mark]] = False
+        self.n_marked -= int(mark.sum())
         self.requests = self.tokens = 0
         rest = pages[~mark]
         if rest.size:
