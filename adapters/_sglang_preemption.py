@@ -12,11 +12,14 @@ it must recompute and the bytes they gave back (ARCHITECTURE.md "Fair
 share", rule 8's counters). A marked page that SGLang takes back before it
 reaches the space is no longer on its way back: its mark is dropped.
 
-The allocator does not act on the pool's verdict (``preempt_bytes``), and
-while it lends it reports only its pending pages (the pool refuses its
-allocs): docs/sglang.md, "Known limitation", has what a real server did
-then (2026-12-07: it retracted every request but one and aborted that one)
-and the two ways tried.
+The allocator does not act on the pool's verdict (``preempt_bytes``): SGLang
+hands a request one token's slot at a time, so the requests' slots
+interleave on kvpool pages and retracting a request empties no page unless
+its neighbours go too; a retraction would destroy work and give nothing
+back (tried with a real server on 2026-12-07, docs/sglang.md "Lending").
+While it lends, SGLang retracts only when the free slots of the pages it
+holds run out (the allocator's ``decode_size``), and memory comes back by
+completion.
 """
 
 from __future__ import annotations

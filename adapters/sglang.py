@@ -50,6 +50,16 @@ Below the pool's edge ``available_size()`` is less than ``size - used``, so
 SGLang's idle leak check (available + evictable == ``max_total_num_tokens``)
 has to be relaxed by the integration.
 
+Lending (ARCHITECTURE.md "Fair share", rules 5 and 8). While this engine
+gives memory back (it borrows and a tenant below its guarantee waits, or it
+restores the others' headroom) the pool refuses it new pages. It then admits
+nothing and drops its prefix cache (:meth:`KVPoolTokenAllocator.giving_back`:
+the plugin's prefill budget and iteration hook), and its running requests decode into the free slots of the
+pages it already holds (:meth:`KVPoolTokenAllocator.decode_size`: the
+plugin's decode gate; such an alloc is granted as promised and commits no
+page), so its pages empty as they finish. SGLang retracts a request only when
+those slots run out (counted as a preemption, :meth:`begin_preemption`).
+
 Bad frees raise. SGLang's allocators silently take some double frees (at
 ``page_size == 1`` the slot lands in the free list twice); this one raises
 :class:`kvpool.InvalidBlocks` and changes nothing, deliberately: a page handed
@@ -235,6 +245,34 @@ class KVPoolTokenAllocator:
         self._check_open()
         return (self.space.available() + int(self._pages.pending.size)) * self.page_size
 
+    def decode_size(self) -> int:
+        """Tokens the running requests' next decode can get: :meth:`available_size`
+        and, while this engine gives memory back (it lends, or restores the
+        others' headroom), the free slots of the kvpool pages it holds.
+
+        SGLang's decode gate (the plugin's ``check_decode_capacity``). A lender
+        does not grow onto new pages, but its running requests keep decoding
+        into the pages it holds, so they finish and the pages empty (reclaim
+        by completion, ARCHITECTURE.md "Fair share" rules 5 and 8) instead of
+        SGLang retracting them one after another and aborting the last.
+        """
+        self._check_open()
+        room, gives_back = self._room()
+        return self.available_size() + (room * self.page_size if gives_back else 0)
+
+    def giving_back(self) -> bool:
+        """Whether this engine gives memory back now (it lends to a tenant below
+        its guarantee, or restores the others' headroom). It then admits
+        nothing and drops its prefix cache (the plugin's prefill budget and
+        iteration hook), so its pages empty as its running requests finish."""
+        self._check_open()
+        return self._room()[1]
+
+    def _room(self) -> tuple[int, bool]:
+        """Free blocks on the space's active pages, and whether it gives memory back; one native call."""
+        st = self.space.stats()
+        return int(st.room_blocks), bool(st.budget.lending or st.budget.restoring)
+
     def held_pages(self) -> torch.Tensor:
         """Page ids SGLang holds now, ascending (for audits and tests)."""
         self._check_open()
@@ -363,8 +401,20 @@ class KVPoolTokenAllocator:
             return self.space.alloc(m)
         except PoolExhausted:
             # SGLang's own allocator misses too when n exceeds the pages it does not hold.
-            if self.shortage_wait_s <= 0 or n > self.num_pages - int(self._held_mask().sum()):
+            if n > self.num_pages - int(self._held_mask().sum()):
                 return None
+        room, gives_back = self._room()
+        if gives_back and m <= room:
+            # While giving memory back, growth within the pages already held
+            # (decode_size): promised, so the lending verdict does not refuse
+            # it, and exact (best fit fills active pages first), so it
+            # commits no page. Only this thread allocates in the space.
+            try:
+                return self.space.alloc(m, promised=True)
+            except PoolExhausted:
+                pass
+        if self.shortage_wait_s <= 0:
+            return None
         try:
             return self.space.acquire(m, stall=self.shortage_wait_s)
         except PoolExhausted:  # RequestTooLarge included: SGLang's miss

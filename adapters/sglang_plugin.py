@@ -44,6 +44,15 @@ What changes, in the scheduler process, at SGLang's own points:
    and Prometheus count this engine's preemptions
    (:mod:`kvpool.adapters._sglang_preemption`, which also says why the
    allocator does not act on the pool's reclaim verdict).
+7. Lending (the allocator's ``giving_back()``, read once per iteration and
+   by the gates below): while the pool asks this engine for memory back,
+   ``ingest_requests`` also evicts SGLang's whole prefix cache (finished
+   requests' KV would keep pages from emptying), the allocator's
+   ``create_prefill_budget`` admits nothing (a chunked prefill in progress
+   continues only into the held pages' free slots), and its
+   ``check_decode_capacity`` (SGLang's decode gate, which its retraction
+   loop converges on) counts the free slots of the pages it holds: running
+   requests decode on and finish, and their pages go back as they empty.
 
 Supported: MHA models with SGLang's default (NHD, unquantized) KV layout,
 any page size, one scheduler per engine (TP=1, no DP attention), on CPU and
@@ -199,11 +208,24 @@ def _kvpool_allocator(scheduler: Any) -> KVPoolTokenAllocator | None:
 
 
 def _ingest_requests(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    """``Scheduler.ingest_requests``: the top of a loop iteration is the previous one's end."""
+    """``Scheduler.ingest_requests``: the top of a loop iteration is the previous one's end.
+    While the engine gives memory back, its prefix cache goes first (module docstring, 7)."""
     allocator = _kvpool_allocator(scheduler)
     if allocator is not None:
         allocator.flush()
+        if allocator.giving_back():
+            _drop_prefix_cache(getattr(scheduler, "tree_cache", None))
     return original(scheduler, *args, **kwargs)
+
+
+def _drop_prefix_cache(tree_cache: Any) -> None:
+    """Evict every unlocked prefix-cache entry: finished requests' KV that SGLang keeps
+    for reuse would otherwise keep the pages from emptying."""
+    evictable = int(tree_cache.evictable_size()) if tree_cache is not None else 0
+    if evictable > 0:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        tree_cache.evict(EvictParams(num_tokens=evictable))
 
 
 def _on_idle(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
@@ -259,7 +281,7 @@ def _retract_decode(original: Callable[..., Any], batch: Any, *args: Any, **kwar
     return out
 
 
-# SGLang's targets and kvpool's AROUND hooks (module docstring, 1-6).
+# SGLang's targets and kvpool's AROUND hooks (module docstring, 1-7).
 HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
     ("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal", _create_buffers_normal),
     ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool_allocator",
@@ -309,13 +331,35 @@ def install() -> None:
             raise UnsupportedSGLang(f"kvpool's SGLang plugin cannot find {target} in this SGLang ({e}); nothing was "
                                     f"hooked. Unset {ENABLE_ENV} to run stock SGLang.") from e
     _stock_allocators = (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator)
-    _allocator_class = _sglang_allocator_class(BaseTokenToKVPoolAllocator)
+    from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+
+    _allocator_class = _sglang_allocator_class(BaseTokenToKVPoolAllocator, _prefill_budget_class(PrefillBudget))
     for target, hook in HOOKS:
         HookRegistry.register(target, hook, HookType.AROUND)
     _installed = True
 
 
-def _sglang_allocator_class(base: type) -> type[KVPoolTokenAllocator]:
+def _prefill_budget_class(base: type) -> type:
+    class KVPoolPrefillBudget(base):  # type: ignore[misc]
+        """SGLang's prefill budget, empty while the engine gives memory back: it
+        admits no new request, and a chunked prefill in progress continues only
+        into the free slots of the pages it holds."""
+
+        allocator: KVPoolTokenAllocator
+
+        def _available_and_evictable(self) -> int:
+            return 0 if self.allocator.giving_back() else int(super()._available_and_evictable())
+
+        def available_chunk_tokens(self, chunk_limit: int) -> int | None:
+            if not self.allocator.giving_back():
+                return super().available_chunk_tokens(chunk_limit)  # type: ignore[no-any-return]
+            room = self.allocator.decode_size() // self.page_size * self.page_size
+            return min(chunk_limit, room) if room > 0 else None  # None: the chunk waits
+
+    return KVPoolPrefillBudget
+
+
+def _sglang_allocator_class(base: type, budget_class: type) -> type[KVPoolTokenAllocator]:
     class KVPoolSGLangAllocator(KVPoolTokenAllocator, base):  # type: ignore[misc]
         """kvpool's allocator first; SGLang's base class supplies the scheduler's
         capacity hooks (``check_decode_capacity``, ``evict_to_free_tokens``,
@@ -325,6 +369,17 @@ def _sglang_allocator_class(base: type) -> type[KVPoolTokenAllocator]:
         # No page free list: SGLang's audits read get_all_free_pages() instead.
         free_pages = None
         release_pages = None
+
+        def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
+                                  spec_algorithm: Any = None) -> bool:
+            """SGLang's decode gate (its retraction loop converges on it): what the
+            running requests can get, the held pages' free slots included while
+            giving back (:meth:`decode_size`)."""
+            self.evict_to_free_tokens(tree_cache, num_tokens)
+            return self.decode_size() >= num_tokens
+
+        def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> Any:
+            return budget_class(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
 
         def merge_and_sort_free(self) -> None:
             """Nothing to merge: the space hands out pages best-fit."""

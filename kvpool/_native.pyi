@@ -123,6 +123,12 @@ class SpaceStats:
     def pages_releasing(self) -> int: ...
 
     @property
+    def room_blocks(self) -> int:
+        """
+        free blocks on active pages: what an alloc fills without committing a page
+        """
+
+    @property
     def committed_bytes(self) -> int: ...
 
     @property

@@ -100,6 +100,7 @@ class SpaceStats:
     pages_reserve: int
     pages_active: int
     pages_releasing: int
+    room_blocks: int  # free blocks on active pages: what an alloc fills without committing a page
     committed_bytes: int
     page_commit_bytes: int
     limit_pages: int

@@ -96,6 +96,8 @@ NB_MODULE(_native, m) {
         .def_ro("pages_reserve", &kvpool::SpaceStats::pages_reserve)
         .def_ro("pages_active", &kvpool::SpaceStats::pages_active)
         .def_ro("pages_releasing", &kvpool::SpaceStats::pages_releasing)
+        .def_ro("room_blocks", &kvpool::SpaceStats::room_blocks,
+                "free blocks on active pages: what an alloc fills without committing a page")
         .def_ro("committed_bytes", &kvpool::SpaceStats::committed_bytes)
         .def_ro("page_commit_bytes", &kvpool::SpaceStats::page_commit_bytes)
         .def_ro("limit_pages", &kvpool::SpaceStats::limit_pages)

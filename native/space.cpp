@@ -429,6 +429,7 @@ SpaceStats Space::stats() {
     s.pages_reserve = table_.count(PageState::Reserve);
     s.pages_active = table_.count(PageState::Active);
     s.pages_releasing = table_.count(PageState::Releasing);
+    s.room_blocks = table_.partial_free();
     s.committed_bytes = table_.committed() * pcb_;
     s.limit_pages = budget_.limit_pages();
     s.limit_deferred = limit_deferred_locked();

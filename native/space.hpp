@@ -46,6 +46,9 @@ struct SpaceStats {
     int64_t num_blocks = 0, capacity = 0, num_pages = 0, used_blocks = 0, available = 0;
     int64_t pages_free = 0, pages_committing = 0, pages_reserve = 0, pages_active = 0,
             pages_releasing = 0;
+    // Free blocks on ACTIVE pages: what an alloc fills without committing a
+    // page (a lender's running requests grow only into these).
+    int64_t room_blocks = 0;
     int64_t committed_bytes = 0, page_commit_bytes = 0, limit_pages = -1;
     // The one limit verdict (Space::limit_deferred_locked): committed pages
     // above the limit in force, waiting to be given back as they empty.

@@ -9,15 +9,15 @@ SGLang's reference in test_adapter_sglang_extend.py.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from kvpool import Pool
 from kvpool.adapters.sglang import KVPoolTokenAllocator
-
-from .conftest import KiB, snapshot
 
 from .conftest import KiB, snapshot
 
@@ -67,3 +67,22 @@ def pages_of(tokens: torch.Tensor, ps: int) -> set[int]:
 def used(a: KVPoolTokenAllocator) -> int:
     """Blocks held in the space (the padding block is not counted)."""
     return int(a.space.stats().used_blocks)
+
+
+def waiting(pool: str, name: str) -> bool:
+    """Whether tenant ``name`` of ``pool`` tells the pool it waits."""
+    return any(t.waiting == 1 for t in Pool(pool).tenants() if t.name == name)
+
+
+class Waiter:
+    """``b`` asks for ``n`` SGLang pages in a thread; it waits in the pool until granted."""
+
+    def __init__(self, b: KVPoolTokenAllocator, n: int) -> None:
+        self.got: Any = None
+        b.shortage_wait_s = 3600  # bounded by the test's timeout, not by a clock assertion
+        self.thread = threading.Thread(target=lambda: setattr(self, "got", b.alloc(n)))
+        self.thread.start()
+
+    def join(self) -> Any:
+        self.thread.join()
+        return self.got

@@ -15,17 +15,22 @@ kvpool through its entry point (kvpool installed in that venv).
 * A real server: ``python -m sglang.launch_server --device cpu
   --attention-backend torch_native`` on a tiny random Llama, stock and with
   ``KVPOOL_SGLANG=1``: the same greedy tokens, and the tenant's pages in the
-  pool's ledger while it serves.
+  pool's ledger while it serves. And a server that borrows when a second
+  tenant asks for its guarantee: every request finishes (before, SGLang
+  aborted one with HTTP 500) and the waiter gets its memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import re
 import socket
 import subprocess
+import threading
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -33,6 +38,7 @@ from typing import Any
 
 import pytest
 
+from ._helpers import wait_until
 from ._vllm_engines import wait_listening
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
@@ -95,29 +101,36 @@ def post(port: int, path: str, body: dict[str, Any]) -> Any:
         return json.load(r)
 
 
-def serve(model: str, log: pathlib.Path, pool: str, tenants: list[list[tuple[str, int]]], **env: str) -> list[Any]:
-    """Start SGLang's server on ``model``, generate PROMPTS greedily, stop it; the
-    pool's tenants are read while it still holds them."""
-    from kvpool import Pool
-
+@contextlib.contextmanager
+def server(model: str, log: pathlib.Path, pool: str, *args: str, **env: str) -> Iterator[int]:
+    """SGLang's server on ``model`` while the block runs; yields its port."""
     port = free_port()
     with log.open("w") as out:
         proc = subprocess.Popen(
             [PYTHON, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu", "--attention-backend",
-             "torch_native", "--port", str(port), "--mem-fraction-static", "0.05", "--skip-server-warmup"],
+             "torch_native", "--port", str(port), "--mem-fraction-static", "0.05", "--skip-server-warmup", *args],
             env=sglang_env(KVPOOL_POOL=pool, **env), stdout=out, stderr=subprocess.STDOUT,
             cwd=log.parent)  # not the checkout: `python -m` puts the cwd first, and its kvpool/ has no adapters
     try:
         # Until it listens, or fails if it exits; no deadline of ours (a busy
         # machine starts it slower): a hang ends in the test's timeout.
         wait_listening(port, lambda: proc.poll() is None, log.read_text)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def serve(model: str, log: pathlib.Path, pool: str, tenants: list[list[tuple[str, int]]], **env: str) -> list[Any]:
+    """Start SGLang's server on ``model``, generate PROMPTS greedily, stop it; the
+    pool's tenants are read while it still holds them."""
+    from kvpool import Pool
+
+    with server(model, log, pool, **env) as port:
         params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
         outs = [post(port, "/generate", {"input_ids": p, "sampling_params": params})["output_ids"] for p in PROMPTS]
         tenants.append([(t.name, t.committed_bytes) for t in Pool(pool).tenants()])
         return outs
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +156,56 @@ def test_a_real_sglang_server_generates_the_same_tokens_with_kvpool_holding_its_
     assert name.startswith("sglang-") and committed > 0, tenants  # its pages, in the pool's books
     assert "kvpool is on: pool '" + pool + "'" in (tmp_path / "kvpool.log").read_text()
 
+
+
+def test_a_lending_sglang_server_finishes_every_request_and_the_waiter_gets_its_guarantee(
+        tiny_llama: str, tmp_path: pathlib.Path, pool_name: str) -> None:
+    # SGLang (4096 tokens in kvpool pages of 32) borrows past its guarantee (64 of the pool's
+    # 128 pages) with 4 requests of 1000 tokens; once it holds 72 pages a second tenant asks
+    # for its 64. Before the lending gates (plugin docstring, 7) SGLang's decode gate missed
+    # at every step while it lent: it retracted three requests and aborted the fourth (HTTP
+    # 500). Now its requests decode into the free slots of the pages it holds, retract only
+    # when those run out, and all finish.
+    from kvpool import Geometry, KVSpace, Pool
+
+    commit = 16 << 10  # one kvpool page of SGLang's: 4 KiB (32 tokens) x 2 layers x K/V
+    Pool(pool_name, capacity=128 * commit)
+    log = tmp_path / "lending.log"
+    with server(tiny_llama, log, pool_name, "--max-total-tokens", "4096", KVPOOL_SGLANG="1",
+                KVPOOL_SGLANG_PAGE_BYTES="4096", KVPOOL_SGLANG_TENANT="sglang-lender") as port:
+        outs: list[Any] = [None] * 4
+
+        def generate(i: int) -> None:
+            body = {"input_ids": [3 + i + k for k in range(16)],
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 1000, "ignore_eos": True}}
+            try:
+                outs[i] = post(port, "/generate", body)["output_ids"]
+            except urllib.error.HTTPError as e:
+                outs[i] = f"HTTP {e.code}"
+
+        def sglang() -> Any:
+            return next(t for t in Pool(pool_name).tenants() if t.name == "sglang-lender")
+
+        clients = [threading.Thread(target=generate, args=(i,)) for i in range(4)]
+        for c in clients:
+            c.start()
+        # It must pass 72 pages on the way: 4 x 1016 tokens need 127.
+        wait_until(lambda: sglang().committed_bytes >= 72 * commit or not any(c.is_alive() for c in clients),
+                   "SGLang holds 72 pages")
+        assert sglang().committed_bytes >= 72 * commit, "SGLang finished before it borrowed"
+        waiter = KVSpace(Geometry(1, 1, commit, 64, page_bytes=commit), pool=Pool(pool_name), reserve=(0, 0),
+                         reserve_thread=False, name="waiter")
+        try:
+            got = waiter.acquire(64, stall=300)  # its guarantee; SGLang lends (the test's timeout bounds it)
+            assert len(got) == 64
+            waiter.free(got)
+        finally:
+            waiter.close()
+        for c in clients:
+            c.join()
+        row = sglang()
+    assert [len(o) if isinstance(o, list) else o for o in outs] == [1000] * 4  # none aborted
+    assert row.reclaimed_by_completion_bytes > 0  # pages went back as requests finished, while lending
+    retracted = sum(int(n) for n in re.findall(r"#retracted_reqs: (\d+)", log.read_text()))
+    assert row.requests_preempted == retracted  # every retraction SGLang logged, counted as a preemption
+    assert "aborted" not in log.read_text()

@@ -10,7 +10,6 @@ least valued request until ``check_decode_capacity``, i.e. ``available_size()
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -33,26 +32,8 @@ PAGE = 32 * KiB  # one kvpool page commit of make_alloc's geometry: 4 blocks (SG
 BLOCKS_PER_PAGE = 4
 
 
-def _waiting(pool: str, name: str) -> bool:
-    return any(t.waiting == 1 for t in Pool(pool).tenants() if t.name == name)
-
-
-class _Waiter:
-    """``b`` asks for ``n`` SGLang pages in a thread; it waits in the pool until granted."""
-
-    def __init__(self, b: KVPoolTokenAllocator, n: int) -> None:
-        self.got: Any = None
-        b.shortage_wait_s = 3600  # bounded by the test's timeout, not by a clock assertion
-        self.thread = threading.Thread(target=lambda: setattr(self, "got", b.alloc(n)))
-        self.thread.start()
-
-    def join(self) -> Any:
-        self.thread.join()
-        return self.got
-
-
 @pytest.fixture
-def lending(make_alloc: MakeAlloc, pool_name: str) -> Iterator[tuple[KVPoolTokenAllocator, _Waiter,
+def lending(make_alloc: MakeAlloc, pool_name: str) -> Iterator[tuple[KVPoolTokenAllocator, S.Waiter,
                                                                      list[torch.Tensor]]]:
     """``a`` holds 7 of the pool's 8 pages (its guarantee is 4) in 7 one-page requests and
     ``b`` 1; ``b`` waits for 3 more pages, all within its guarantee."""
@@ -63,8 +44,8 @@ def lending(make_alloc: MakeAlloc, pool_name: str) -> Iterator[tuple[KVPoolToken
     requests = [first] + [a.alloc(BLOCKS_PER_PAGE) for _ in range(6)]
     assert all(r is not None for r in requests) and a.space.stats().committed_bytes == 7 * PAGE
     assert a.available_size() == 0
-    waiter = _Waiter(b, BLOCKS_PER_PAGE - 1 + 3 * BLOCKS_PER_PAGE)
-    wait_until(lambda: _waiting(pool_name, b.space.name), "b waits, and tells the pool so")
+    waiter = S.Waiter(b, BLOCKS_PER_PAGE - 1 + 3 * BLOCKS_PER_PAGE)
+    wait_until(lambda: S.waiting(pool_name, b.space.name), "b waits, and tells the pool so")
     try:
         yield a, waiter, requests
     finally:

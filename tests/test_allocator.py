@@ -147,6 +147,26 @@ def test_page_occupancy_reports_state_and_use(make_space) -> None:
         space.page_occupancy([4])
 
 
+
+def test_room_blocks_counts_the_free_blocks_of_active_pages_through_allocs_and_frees(make_space) -> None:
+    # The figure a lender's running requests grow into (the vLLM plugin's and
+    # the SGLang allocator's room): free blocks on ACTIVE pages only, never a
+    # reserve or free page's.
+    space = make_space(SMALL, reserve=(0, 1))
+
+    def by_pages() -> int:
+        return sum(p.capacity - p.used for p in space.page_occupancy() if p.state == "active")
+
+    ids = space.alloc(6).tolist()  # page 0 full, page 1 half
+    assert space.stats().room_blocks == by_pages() == 2
+    space.free([ids[0], ids[5]])  # one from each page, in one batch
+    assert space.stats().room_blocks == by_pages() == 4
+    space.free(ids[4:5])  # page 1 empties: no longer active, so no longer room
+    assert space.page_occupancy([1])[0].state != "active"
+    assert space.stats().room_blocks == by_pages() == 1
+    space.alloc(1)
+    assert space.stats().room_blocks == by_pages() == 0
+
 def test_misuse_that_involves_no_block_ids_is_a_value_error_not_invalid_blocks(make_space) -> None:
     # Bug: every native Invalid became InvalidBlocks, so set_reserve(3, 1)
     # raised "invalid blocks" though no block id was involved.

@@ -232,9 +232,9 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
 
     def _room_in_held_pages(self) -> int:
         """Free blocks on this engine's ACTIVE pages (what a grant fills
-        without committing a page). One native read of every page, only while
-        lending: at most once per step and once per preemption."""
-        return sum(p.capacity - p.used for p in self.space.page_occupancy() if p.state == "active")
+        without committing a page): the space's own count, one native call,
+        only while lending: at most once per step and once per preemption."""
+        return self.space.stats().room_blocks
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
         # vLLM's contract: beyond the free count is a ValueError. The count

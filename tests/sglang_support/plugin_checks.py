@@ -215,6 +215,75 @@ def check_full_pool(checker: Any, alloc: Any, stats: Callable[[], Any]) -> None:
 
 
 @check
+def a_lender_admits_nothing_drops_its_prefix_cache_and_decodes_into_its_held_pages() -> None:
+    # Module docstring of the plugin, 7: SGLang's own prefill budget, decode gate and radix
+    # cache, with a second tenant waiting below its guarantee in a thread.
+    import threading
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    from kvpool import Geometry, KVSpace
+
+    for hook in ("check_decode_capacity", "create_prefill_budget"):  # SGLang calls them by these names
+        assert (list(inspect.signature(getattr(BaseTokenToKVPoolAllocator, hook)).parameters)
+                == list(inspect.signature(getattr(plugin._allocator_class, hook)).parameters)), hook
+    for name in ("_available_and_evictable", "available_chunk_tokens", "has_capacity"):
+        assert callable(getattr(PrefillBudget, name)), name
+    name = os.environ["KVPOOL_POOL"]
+    Pool.remove(name)
+    commit = (16 << 10) * 2 * LAYERS
+    Pool(name, capacity=4 * commit)  # 4 kvpool pages; two tenants: a guarantee of 2 each
+    pool = kv_pool()
+    alloc = allocator(pool)
+    x: list[Any] = []
+    y: list[Any] = []
+    for i in range(3 * 8 - 1):  # 3 kvpool pages of 8 SGLang pages (but the padding one), interleaved
+        got = alloc.alloc(PS)
+        assert got is not None
+        (x if i % 2 == 0 else y).append(got)
+    cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
+                                       page_size=PS))
+    cached = alloc.alloc(PS)  # a finished request's page, kept for reuse: evictable
+    cache.insert(InsertParams(key=RadixKey(list(range(PS))), value=cached))
+    assert cache.evictable_size() == PS
+    other = KVSpace(Geometry(1, 1, commit, 4, page_bytes=commit), pool=Pool(name), reserve=(0, 0),
+                    reserve_thread=False, name="waiter")
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(other.acquire(2, stall=600)))
+    waiter.start()
+    while not any(t.waiting for t in Pool(name).tenants() if t.name == "waiter"):
+        threading.Event().wait(0.002)
+    sched = SimpleNamespace(token_to_kv_pool_allocator=alloc, tree_cache=cache)
+    plugin._ingest_requests(lambda s: None, sched)  # the top of an iteration: the lender drops its cache
+    assert alloc.giving_back() and cache.evictable_size() == 0
+    budget = alloc.create_prefill_budget(cache)
+    assert isinstance(budget, PrefillBudget) and not budget.has_capacity()  # admits nothing
+    alloc.flush()
+    alloc.flush()  # the evicted page went back: x and y still hold every slot of their pages
+    assert not alloc.check_decode_capacity(num_tokens=PS, tree_cache=cache)
+    assert budget.available_chunk_tokens(64) is None  # a chunk in progress waits too
+    alloc.free(torch.cat(x))  # x finishes: its slots become room on pages y still holds
+    alloc.flush()
+    alloc.flush()
+    room = len(x) * PS
+    assert alloc.check_decode_capacity(num_tokens=room, tree_cache=cache)
+    assert not alloc.check_decode_capacity(num_tokens=room + PS, tree_cache=cache)
+    assert budget.available_chunk_tokens(64) == min(64, room) and not budget.has_capacity()
+    alloc.free(torch.cat(y))  # y finishes: the pages empty and go to the waiter
+    alloc.flush()
+    alloc.flush()
+    waiter.join()
+    assert len(got) == 1 and len(got[0]) == 2
+    assert not alloc.giving_back() and alloc.create_prefill_budget(cache).has_capacity()
+    assert alloc.space.budget().requests_preempted == 0
+    other.close()
+    pool.kvpool_space.close()
+
+
+@check
 def unsupported_configurations_are_refused_by_name() -> None:
     pool = kv_pool()
     for draft, words in ((object(), "speculative decoding"),):

@@ -1,0 +1,123 @@
+"""A lending SGLang engine reclaims by completion (kvpool.adapters.sglang: decode_size, giving_back).
+
+Two engines on one real pool: ``a`` (SGLang's allocator) borrows with two
+running requests whose slots interleave on its kvpool pages, one token at a
+time, as SGLang's decode hands them out; ``b`` waits below its guarantee in
+a thread. Before this, the pool refused every alloc of a lender, the free
+slots of its own pages included, so SGLang's decode gate missed at every
+step: a real server retracted its requests one after another and aborted
+the last (docs/sglang.md, "Lending"). Events and counts only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvpool import Pool
+
+from . import _sglang_support as S
+from ._helpers import wait_until
+from ._sglang_support import MakeAlloc, Waiter, i64
+
+make_alloc = pytest.fixture(name="make_alloc")(S.make_alloc_fixture)
+
+BLOCKS_PER_PAGE = 4  # make_alloc's geometry: 4 SGLang pages (blocks) per kvpool page, 2 regions
+PAGE = 32 * 1024  # one kvpool page commit
+
+
+@pytest.fixture
+def lending(make_alloc: MakeAlloc, pool_name: str) -> Iterator[tuple[Any, Waiter, list[int], list[int]]]:
+    """``a`` holds 7 of the pool's 8 pages (its guarantee is 4) in two requests ``x`` and
+    ``y`` of interleaved slots; ``b`` holds 1 and waits for 3 more, all within its guarantee."""
+    Pool(pool_name, capacity=8 * PAGE)
+    a, b = make_alloc(1, pool=pool_name), make_alloc(1, pool=pool_name)
+    x: list[int] = []
+    y: list[int] = []
+    for i in range(7 * BLOCKS_PER_PAGE - 1):  # every slot of 7 pages but the padding block
+        got = a.alloc(1)
+        assert got is not None
+        (x if i % 2 == 0 else y).append(int(got))
+    assert a.space.stats().committed_bytes == 7 * PAGE and a.available_size() == 0
+    waiter = Waiter(b, BLOCKS_PER_PAGE - 1 + 3 * BLOCKS_PER_PAGE)
+    wait_until(lambda: S.waiting(pool_name, b.space.name), "b waits, and tells the pool so")
+    try:
+        yield a, waiter, x, y
+    finally:
+        if waiter.thread.is_alive():
+            a.clear()
+        waiter.join()
+
+
+def _decode(a: Any, slots: list[int]) -> Any:
+    """One decode step of one request (SGLang's alloc_decode); its new slot joins ``slots``."""
+    got = a.alloc_decode(i64([len(slots) + 1]), i64([len(slots) + 1]), i64([slots[-1]]))
+    if got is not None:
+        slots.append(int(got[0]))
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_a_lenders_running_request_decodes_into_the_free_slots_of_its_pages_and_finishes(lending: Any) -> None:
+    a, waiter, x, y = lending
+    a.shortage_wait_s = 0  # a refusal answers None at once (SGLang's decode would then miss)
+    a.flush()
+    assert a.giving_back() and a.available_size() == 0 == a.decode_size()
+    a.free(i64(x))  # x finishes: its slots lie on every page y still uses, so no page empties
+    a.flush()
+    a.flush()  # its slots reach the space: room on held pages, not new memory
+    room = len(x)
+    assert a.space.stats().room_blocks == room
+    assert a.available_size() == 0 and a.decode_size() == room  # SGLang's decode gate sees the room
+    committed = a.space.stats().committed_bytes
+    for _ in range(room):  # y decodes on, into x's old slots
+        assert _decode(a, y) is not None
+    assert set(y) >= set(x) and a.space.stats().committed_bytes == committed  # not one page more
+    assert a.decode_size() == 0 and _decode(a, y) is None  # no room left: the lender takes no new page
+    assert waiter.thread.is_alive()
+    a.free(i64(y))  # y finishes: every page empties, and goes to the waiter
+    a.flush()
+    a.flush()
+    got = waiter.join()
+    assert got is not None and len(got) == BLOCKS_PER_PAGE - 1 + 3 * BLOCKS_PER_PAGE
+    c = a.space.budget()
+    assert c.requests_preempted == 0 and c.reclaimed_by_completion_bytes >= 3 * PAGE
+
+
+def test_an_engine_that_gives_nothing_back_decodes_within_what_the_space_can_deliver(
+        make_alloc: MakeAlloc, pool_name: str) -> None:
+    Pool(pool_name, capacity=8 * PAGE)
+    a = make_alloc(1, pool=pool_name)
+    x = a.alloc(6)  # page 0 (3 slots past the padding block) and 3 of page 1
+    assert x is not None and a.space.stats().room_blocks == 1
+    a.free(x[:2])  # pending: counted in available_size, as before
+    assert not a.giving_back()
+    assert a.decode_size() == a.available_size() == a.space.available() + 2  # room is not added twice
+
+
+def test_a_closed_allocator_refuses_the_lending_figures(make_alloc: MakeAlloc) -> None:
+    from kvpool import PoolClosed
+
+    a = make_alloc(1)
+    a.close()
+    for f in (a.decode_size, a.giving_back):
+        with pytest.raises(PoolClosed):
+            f()
+
+
+def test_a_lenders_alloc_beyond_its_room_takes_no_page_and_changes_nothing(lending: Any) -> None:
+    a, waiter, x, y = lending
+    a.shortage_wait_s = 0
+    a.free(i64(x[:3]))
+    a.flush()
+    a.flush()
+    assert a.decode_size() == 3
+    before = S.state_of(a)
+    assert a.alloc(4) is None  # 4 > 3 free slots: refused whole, as the pool refuses a lender's new page
+    assert S.state_of(a) == before
+    got = a.alloc(3)
+    assert got is not None and sorted(got.tolist()) == sorted(x[:3])
+    assert isinstance(got, torch.Tensor)
