@@ -57,7 +57,8 @@ nothing and drops its prefix cache (:meth:`KVPoolTokenAllocator.giving_back`:
 the plugin's prefill budget and iteration hook), and its running requests decode into the free slots of the
 pages it already holds (:meth:`KVPoolTokenAllocator.decode_size`: the
 plugin's decode gate; such an alloc is granted as promised and commits no
-page), so its pages empty as they finish. SGLang retracts a request only when
+page), so its pages empty as they finish. An alloc its gates counted just
+before the verdict turned is honoured from the pool's free memory (rule 5). SGLang retracts a request only when
 those slots run out (counted as a preemption, :meth:`begin_preemption`).
 
 Bad frees raise. SGLang's allocators silently take some double frees (at
@@ -403,12 +404,15 @@ class KVPoolTokenAllocator:
             # SGLang's own allocator misses too when n exceeds the pages it does not hold.
             if n > self.num_pages - int(self._held_mask().sum()):
                 return None
-        room, gives_back = self._room()
-        if gives_back and m <= room:
-            # While giving memory back, growth within the pages already held
-            # (decode_size): promised, so the lending verdict does not refuse
-            # it, and exact (best fit fills active pages first), so it
-            # commits no page. Only this thread allocates in the space.
+        promised = self._room()[1]
+        if promised:
+            # While giving memory back the pool grants only a promised alloc,
+            # and SGLang allocates only what its gates counted: the held
+            # pages' free slots (decode_size; best fit fills them first, so
+            # no page is committed), or what they counted just before the
+            # verdict turned, honoured as vLLM's free count is (ARCHITECTURE.md
+            # "Fair share", rule 5) from the pool's free memory: a prefill
+            # SGLang admitted must not stall into its fatal None.
             try:
                 return self.space.alloc(m, promised=True)
             except PoolExhausted:
@@ -416,7 +420,7 @@ class KVPoolTokenAllocator:
         if self.shortage_wait_s <= 0:
             return None
         try:
-            return self.space.acquire(m, stall=self.shortage_wait_s)
+            return self.space.acquire(m, promised=promised, stall=self.shortage_wait_s)
         except PoolExhausted:  # RequestTooLarge included: SGLang's miss
             return None
 

@@ -108,7 +108,7 @@ def test_a_closed_allocator_refuses_the_lending_figures(make_alloc: MakeAlloc) -
             f()
 
 
-def test_a_lenders_alloc_beyond_its_room_takes_no_page_and_changes_nothing(lending: Any) -> None:
+def test_a_lenders_alloc_beyond_its_room_in_a_full_pool_misses_and_changes_nothing(lending: Any) -> None:
     a, waiter, x, y = lending
     a.shortage_wait_s = 0
     a.free(i64(x[:3]))
@@ -116,8 +116,32 @@ def test_a_lenders_alloc_beyond_its_room_takes_no_page_and_changes_nothing(lendi
     a.flush()
     assert a.decode_size() == 3
     before = S.state_of(a)
-    assert a.alloc(4) is None  # 4 > 3 free slots: refused whole, as the pool refuses a lender's new page
+    assert a.alloc(4) is None  # 4 > 3 free slots, and the pool has no free page: refused whole
     assert S.state_of(a) == before
     got = a.alloc(3)
     assert got is not None and sorted(got.tolist()) == sorted(x[:3])
     assert isinstance(got, torch.Tensor)
+
+
+@pytest.mark.timeout(120)
+def test_an_alloc_counted_before_the_verdict_turned_is_honoured_from_the_pools_free_memory(
+        make_alloc: MakeAlloc, pool_name: str) -> None:
+    # SGLang admits a prefill by available_size(), then allocates it; if a tenant below its
+    # guarantee starts waiting in between, this engine lends. Before, its alloc then waited
+    # (not promised) for a lending that its own blocked scheduler could never end, and
+    # returned None after shortage_wait_s: SGLang's fatal "Prefill out of memory".
+    Pool(pool_name, capacity=8 * PAGE)
+    a, b = make_alloc(1, pool=pool_name), make_alloc(1, pool=pool_name)
+    assert a.alloc(5 * BLOCKS_PER_PAGE - 1) is not None  # 5 pages: 1 over its guarantee of 4
+    admitted = a.available_size()
+    assert admitted >= BLOCKS_PER_PAGE  # SGLang's gate: a one-page prefill fits
+    waiter = Waiter(b, BLOCKS_PER_PAGE - 1 + 3 * BLOCKS_PER_PAGE)  # 3 pages more: 2 free, so it waits
+    wait_until(lambda: S.waiting(pool_name, b.space.name), "b waits, and tells the pool so")
+    assert a.giving_back()
+    a.shortage_wait_s = 0  # a refusal answers None at once
+    got = a.alloc(BLOCKS_PER_PAGE)
+    assert got is not None and len(got) == BLOCKS_PER_PAGE  # honoured: one of the 2 free pages
+    assert a.space.stats().committed_bytes == 6 * PAGE
+    assert a.decode_size() == a.available_size() == 0  # and it grows no further
+    a.clear()  # every page back: b is granted
+    assert waiter.join() is not None
