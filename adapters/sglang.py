@@ -267,12 +267,17 @@ class KVPoolTokenAllocator:
         nothing and drops its prefix cache (the plugin's prefill budget and
         iteration hook), so its pages empty as its running requests finish."""
         self._check_open()
-        return self._room()[1]
+        return self._gives_back()
 
     def _room(self) -> tuple[int, bool]:
         """Free blocks on the space's active pages, and whether it gives memory back; one native call."""
         st = self.space.stats()
         return int(st.room_blocks), bool(st.budget.lending or st.budget.restoring)
+
+    def _gives_back(self) -> bool:
+        """Whether the space gives memory back (the budget alone: cheaper than :meth:`_room`)."""
+        b = self.space.budget()
+        return bool(b.lending or b.restoring)
 
     def held_pages(self) -> torch.Tensor:
         """Page ids SGLang holds now, ascending (for audits and tests)."""
@@ -404,7 +409,7 @@ class KVPoolTokenAllocator:
             # SGLang's own allocator misses too when n exceeds the pages it does not hold.
             if n > self.num_pages - int(self._held_mask().sum()):
                 return None
-        promised = self._room()[1]
+        promised = self._gives_back()
         if promised:
             # While giving memory back the pool grants only a promised alloc,
             # and SGLang allocates only what its gates counted: the held
