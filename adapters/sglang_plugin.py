@@ -53,6 +53,10 @@ What changes, in the scheduler process, at SGLang's own points:
    ``check_decode_capacity`` (SGLang's decode gate, which its retraction
    loop converges on) counts the free slots of the pages it holds: running
    requests decode on and finish, and their pages go back as they empty.
+   When those slots run out SGLang retracts requests (6); the last one,
+   which SGLang would abort, is retracted too (queued again, not failed),
+   and a chunked prefill that cannot continue with nothing running is
+   retracted at ``on_idle``.
 
 Supported: MHA models with SGLang's default (NHD, unquantized) KV layout,
 any page size, one scheduler per engine (TP=1, no DP attention), on CPU and
@@ -229,12 +233,37 @@ def _drop_prefix_cache(tree_cache: Any) -> None:
 
 
 def _on_idle(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    """``Scheduler.on_idle``: no batch is in flight, so every pending page can go back."""
+    """``Scheduler.on_idle``: no batch is in flight, so every pending page can go back
+    (and a lender's stalled chunked prefill is retracted, module docstring, 7)."""
     allocator = _kvpool_allocator(scheduler)
     if allocator is not None:
         allocator.flush()
         allocator.flush()
+        _retract_stalled_chunk(scheduler, allocator)
     return original(scheduler, *args, **kwargs)
+
+
+def _retract_stalled_chunk(scheduler: Any, allocator: KVPoolTokenAllocator) -> None:
+    """A lender's chunked prefill waits for free slots on its pages (the prefill budget);
+    with nothing running, none will come: retract it as SGLang's own pause does
+    (``retract_all``, back to the waiting queue), counted as a preemption, so its pages
+    empty and the engine admits it again once it no longer gives memory back."""
+    req = getattr(scheduler, "chunked_req", None)
+    if (req is None or req.finished() or getattr(req, "inflight_middle_chunks", 0) > 0
+            or getattr(getattr(scheduler, "running_batch", None), "reqs", None) or not allocator.giving_back()
+            or allocator.decode_size() >= allocator.page_size):
+        return
+    from sglang.srt.managers.schedule_batch import retract_all
+
+    allocator.begin_preemption()
+    retract_all(reqs=[req], req_to_token_pool=scheduler.req_to_token_pool, token_to_kv_pool_allocator=allocator,
+                tree_cache=scheduler.tree_cache, hisparse_coordinator=getattr(scheduler, "hisparse_coordinator", None),
+                offload_kv=False)
+    allocator.end_preemption(1, len(req.origin_input_ids) + len(req.output_ids))
+    scheduler.chunked_req = None
+    scheduler._add_request_to_queue(req, is_retracted=True)
+    _log.warning("kvpool: retracted chunked prefill %s: this engine gives memory back and its pages have no free "
+                 "slot for the next chunk", req.rid)
 
 
 def _check_full_pool(original: Callable[..., Any], checker: Any, ps: Any, *args: Any, **kwargs: Any) -> Any:
@@ -274,11 +303,27 @@ def _retract_decode(original: Callable[..., Any], batch: Any, *args: Any, **kwar
         return original(batch, *args, **kwargs)
     allocator.begin_preemption()
     out = original(batch, *args, **kwargs)
-    retracted = out[0]
+    retracted, _, aborted = out
+    if aborted and allocator.giving_back():
+        # SGLang keeps one request and aborts it when even that one does not
+        # fit: for a lender that is only a shortage of free slots on the pages
+        # it holds (decode_size). Its KV is released exactly as a retracted
+        # one's (release_req, reset_for_retract): queue it again instead.
+        for req in [r for r in aborted if r.beam_group is None and _out_of_memory(r)]:
+            req.to_finish = None
+            aborted.remove(req)
+            retracted.append(req)
+            _log.warning("kvpool: request %s is retracted, not aborted: this engine gives memory back and its "
+                         "pages have no free slot for its next token", req.rid)
     # A retracted request keeps its output: its prompt and output are prefilled again.
     tokens = sum(len(r.origin_input_ids) + len(r.output_ids) for r in retracted)
     allocator.end_preemption(len(retracted), tokens)
     return out
+
+
+def _out_of_memory(req: Any) -> bool:
+    """Whether SGLang's retract_decode aborted ``req`` as the last request that does not fit."""
+    return "Out of memory even after retracting" in str(getattr(req.to_finish, "message", ""))
 
 
 # SGLang's targets and kvpool's AROUND hooks (module docstring, 1-7).

@@ -23,6 +23,7 @@ kvpool through its entry point (kvpool installed in that venv).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -158,54 +159,100 @@ def test_a_real_sglang_server_generates_the_same_tokens_with_kvpool_holding_its_
 
 
 
-def test_a_lending_sglang_server_finishes_every_request_and_the_waiter_gets_its_guarantee(
-        tiny_llama: str, tmp_path: pathlib.Path, pool_name: str) -> None:
-    # SGLang (4096 tokens in kvpool pages of 32) borrows past its guarantee (64 of the pool's
-    # 128 pages) with 4 requests of 1000 tokens; once it holds 72 pages a second tenant asks
-    # for its 64. Before the lending gates (plugin docstring, 7) SGLang's decode gate missed
-    # at every step while it lent: it retracted three requests and aborted the fourth (HTTP
-    # 500). Now its requests decode into the free slots of the pages it holds, retract only
-    # when those run out, and all finish.
+@dataclasses.dataclass
+class Lent:
+    outs: list[Any]  # per request: its output length, or "HTTP <code>"
+    row: Any  # SGLang's tenant row at the end
+    log: str  # SGLang's log
+
+
+def lend(model: str, tmp_path: pathlib.Path, pool: str, *, pool_pages: int, requests: int, prompt: int, new: int,
+         at: int, want: int, args: tuple[str, ...] = ()) -> Lent:
+    """SGLang (4096 tokens in kvpool pages of 32) serves ``requests`` requests of ``prompt`` +
+    ``new`` tokens on a pool of ``pool_pages`` pages; once it holds ``at`` pages a second tenant
+    asks for ``want`` (its guarantee: half the pool), which SGLang must lend, then frees them."""
     from kvpool import Geometry, KVSpace, Pool
 
     commit = 16 << 10  # one kvpool page of SGLang's: 4 KiB (32 tokens) x 2 layers x K/V
-    Pool(pool_name, capacity=128 * commit)
+    Pool(pool, capacity=pool_pages * commit)
     log = tmp_path / "lending.log"
-    with server(tiny_llama, log, pool_name, "--max-total-tokens", "4096", KVPOOL_SGLANG="1",
+    with server(model, log, pool, "--max-total-tokens", "4096", *args, KVPOOL_SGLANG="1",
                 KVPOOL_SGLANG_PAGE_BYTES="4096", KVPOOL_SGLANG_TENANT="sglang-lender") as port:
-        outs: list[Any] = [None] * 4
+        outs: list[Any] = [None] * requests
 
         def generate(i: int) -> None:
-            body = {"input_ids": [3 + i + k for k in range(16)],
-                    "sampling_params": {"temperature": 0, "max_new_tokens": 1000, "ignore_eos": True}}
+            body = {"input_ids": [3 + (i + k) % 500 for k in range(prompt)],
+                    "sampling_params": {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}}
             try:
-                outs[i] = post(port, "/generate", body)["output_ids"]
+                outs[i] = len(post(port, "/generate", body)["output_ids"])
             except urllib.error.HTTPError as e:
                 outs[i] = f"HTTP {e.code}"
 
         def sglang() -> Any:
-            return next(t for t in Pool(pool_name).tenants() if t.name == "sglang-lender")
+            return next(t for t in Pool(pool).tenants() if t.name == "sglang-lender")
 
-        clients = [threading.Thread(target=generate, args=(i,)) for i in range(4)]
+        clients = [threading.Thread(target=generate, args=(i,)) for i in range(requests)]
         for c in clients:
             c.start()
-        # It must pass 72 pages on the way: 4 x 1016 tokens need 127.
-        wait_until(lambda: sglang().committed_bytes >= 72 * commit or not any(c.is_alive() for c in clients),
-                   "SGLang holds 72 pages")
-        assert sglang().committed_bytes >= 72 * commit, "SGLang finished before it borrowed"
-        waiter = KVSpace(Geometry(1, 1, commit, 64, page_bytes=commit), pool=Pool(pool_name), reserve=(0, 0),
+        wait_until(lambda: sglang().committed_bytes >= at * commit or not any(c.is_alive() for c in clients),
+                   f"SGLang holds {at} pages")
+        assert sglang().committed_bytes >= at * commit, "SGLang finished before it borrowed"
+        waiter = KVSpace(Geometry(1, 1, commit, want, page_bytes=commit), pool=Pool(pool), reserve=(0, 0),
                          reserve_thread=False, name="waiter")
         try:
-            got = waiter.acquire(64, stall=300)  # its guarantee; SGLang lends (the test's timeout bounds it)
-            assert len(got) == 64
+            # Its guarantee, so SGLang lends. A stall (nobody frees anything for 120 s) is
+            # the failure this guards against; the test's timeout bounds the rest.
+            got = waiter.acquire(want, stall=120)
+            assert len(got) == want
             waiter.free(got)
         finally:
             waiter.close()
         for c in clients:
             c.join()
         row = sglang()
-    assert [len(o) if isinstance(o, list) else o for o in outs] == [1000] * 4  # none aborted
-    assert row.reclaimed_by_completion_bytes > 0  # pages went back as requests finished, while lending
-    retracted = sum(int(n) for n in re.findall(r"#retracted_reqs: (\d+)", log.read_text()))
-    assert row.requests_preempted == retracted  # every retraction SGLang logged, counted as a preemption
-    assert "aborted" not in log.read_text()
+    return Lent(outs, row, log.read_text())
+
+
+def retractions(log: str) -> int:
+    """Requests SGLang's scheduler logged as retracted."""
+    return sum(int(n) for n in re.findall(r"#retracted_reqs: (\d+)", log))
+
+
+def test_a_lending_sglang_server_finishes_every_request_and_the_waiter_gets_its_guarantee(
+        tiny_llama: str, tmp_path: pathlib.Path, pool_name: str) -> None:
+    # 4 requests of 1000 tokens borrow past SGLang's guarantee (64 of 128 pages); at 72 pages
+    # a second tenant asks for its 64. Before the lending gates (plugin docstring, 7) SGLang's
+    # decode gate missed at every step while it lent: it retracted three requests and aborted
+    # the fourth (HTTP 500). Now its requests decode into the free slots of the pages it
+    # holds, retract only when those run out, and all finish.
+    r = lend(tiny_llama, tmp_path, pool_name, pool_pages=128, requests=4, prompt=16, new=1000, at=72, want=64)
+    assert r.outs == [1000] * 4  # none aborted
+    assert r.row.reclaimed_by_completion_bytes > 0  # pages went back as requests finished, while lending
+    assert r.row.requests_preempted == retractions(r.log)  # every retraction logged, counted as a preemption
+    assert "aborted" not in r.log
+
+
+def test_a_lending_sglang_servers_last_request_is_retracted_not_aborted(
+        tiny_llama: str, tmp_path: pathlib.Path, pool_name: str) -> None:
+    # One request of 1916 tokens; at 40 of the pool's 64 pages a tenant asks for its 32. The
+    # request fills its last page within 32 tokens: SGLang's retraction keeps one request and
+    # aborted it (HTTP 500, measured on the code before). The hook queues it again instead;
+    # it is prefilled again once the waiter has its memory, and finishes.
+    r = lend(tiny_llama, tmp_path, pool_name, pool_pages=64, requests=1, prompt=16, new=1900, at=40, want=32)
+    assert r.outs == [1900]
+    assert r.row.requests_preempted == retractions(r.log) == 1
+    assert "is retracted, not aborted" in r.log
+
+
+def test_a_lending_sglang_servers_stalled_chunked_prefill_is_retracted_and_finishes(
+        tiny_llama: str, tmp_path: pathlib.Path, pool_name: str) -> None:
+    # A prompt of 1800 tokens prefilled in chunks of 64; at 40 of the pool's 64 pages a tenant
+    # asks for its 32. Lending, SGLang admits nothing and a chunk continues only into free
+    # slots of its pages; with nothing else running none come. Measured on the code before:
+    # the chunk and the waiter both waited until the waiter's 120 s stall gave up. Now
+    # on_idle retracts the chunk (a preemption), the waiter is granted, and the request
+    # is prefilled again and finishes.
+    r = lend(tiny_llama, tmp_path, pool_name, pool_pages=64, requests=1, prompt=1800, new=8, at=40, want=32,
+             args=("--chunked-prefill-size", "64"))
+    assert r.outs == [8]
+    assert r.row.requests_preempted == 1 and "kvpool: retracted chunked prefill" in r.log

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -147,7 +149,6 @@ def test_page_occupancy_reports_state_and_use(make_space) -> None:
         space.page_occupancy([4])
 
 
-
 def test_room_blocks_counts_the_free_blocks_of_active_pages_through_allocs_and_frees(make_space) -> None:
     # The figure a lender's running requests grow into (the vLLM plugin's and
     # the SGLang allocator's room): free blocks on ACTIVE pages only, never a
@@ -166,6 +167,26 @@ def test_room_blocks_counts_the_free_blocks_of_active_pages_through_allocs_and_f
     assert space.stats().room_blocks == by_pages() == 1
     space.alloc(1)
     assert space.stats().room_blocks == by_pages() == 0
+
+
+@pytest.mark.parametrize(("geometry", "null_block"), [(SMALL, True), (STRADDLE, False), (STRADDLE, True)])
+def test_room_blocks_is_the_page_walk_with_a_null_block_and_straddling_blocks(make_space, geometry: Geometry,
+                                                                               null_block: bool) -> None:
+    # The null block is held (never room); a straddling block belongs to no page (never room).
+    space = make_space(geometry, null_block=null_block, reserve=(0, 1))
+    rng = random.Random(7)
+    held: list[int] = []
+    for _ in range(200):
+        if held and (rng.random() < 0.5 or space.available() == 0):
+            rng.shuffle(held)
+            k = rng.randint(1, len(held))
+            space.free(held[:k])
+            del held[:k]
+        else:
+            held += space.alloc(rng.randint(1, space.available())).tolist()
+        walk = sum(p.capacity - p.used for p in space.page_occupancy() if p.state == "active")
+        assert space.stats().room_blocks == walk
+
 
 def test_misuse_that_involves_no_block_ids_is_a_value_error_not_invalid_blocks(make_space) -> None:
     # Bug: every native Invalid became InvalidBlocks, so set_reserve(3, 1)

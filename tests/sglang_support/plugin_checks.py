@@ -114,6 +114,19 @@ def sglangs_retraction_returns_the_requests_the_hook_counts() -> None:
     assert list(inspect.signature(retract).parameters) == ["self"]
     source = inspect.getsource(retract)
     assert "return retracted_reqs, " in source and "self.release_req(" in source
+    # A lender's last request is retracted, not aborted: the hook recognises SGLang's abort
+    # by its message, and that request's KV was released as a retracted one's.
+    assert '"Out of memory even after retracting all other requests "' in source, source
+    assert "self.release_req(last_idx, 0, offload_kv=False)" in source
+    # A lender's stalled chunked prefill is retracted as SGLang's pause does.
+    from sglang.srt.managers.schedule_batch import retract_all
+    from sglang.srt.managers.scheduler import Scheduler
+
+    assert list(inspect.signature(retract_all).parameters) == [
+        "reqs", "req_to_token_pool", "token_to_kv_pool_allocator", "tree_cache", "hisparse_coordinator", "offload_kv"]
+    assert "is_retracted" in inspect.signature(Scheduler._add_request_to_queue).parameters
+    pause = inspect.getsource(Scheduler)
+    assert "retract_reqs.append(self.chunked_req)" in pause and "self.chunked_req = None" in pause
 
 
 @check
