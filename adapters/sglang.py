@@ -56,12 +56,14 @@ Lending (ARCHITECTURE.md "Fair share", rules 5 and 8). While this engine
 gives memory back (it borrows and a tenant below its guarantee waits, or it
 restores the others' headroom) the pool refuses it new pages. It then admits
 nothing and drops its prefix cache (:meth:`KVPoolTokenAllocator.giving_back`:
-the plugin's prefill budget and iteration hook), and its running requests decode into the free slots of the
-pages it already holds (:meth:`KVPoolTokenAllocator.decode_size`: the
-plugin's decode gate; such an alloc is granted as promised and commits no
-page), so its pages empty as they finish. An alloc its gates counted just
-before the verdict turned is honoured from the pool's free memory (rule 5). SGLang retracts a request only when
-those slots run out (counted as a preemption, :meth:`begin_preemption`).
+the plugin's prefill budget and iteration hook), and its running requests
+decode into the free slots of the pages it already holds
+(:meth:`KVPoolTokenAllocator.decode_size`: the plugin's decode gate; such an
+alloc is granted as promised and commits no page), so its pages empty as
+they finish. An alloc its gates counted just before the verdict turned is
+honoured from the pool's free memory (rule 5). SGLang retracts a request
+only when those slots run out (counted as a preemption,
+:meth:`KVPoolTokenAllocator.begin_preemption`).
 
 Bad frees raise. SGLang's allocators silently take some double frees (at
 ``page_size == 1`` the slot lands in the free list twice); this one raises
