@@ -92,6 +92,7 @@ from kvpool.pool import default_pool_name
 
 from ._sglang_pages import PageStates
 from ._sglang_preemption import Preemptions
+from ._sglang_views import token_view
 
 __all__ = ["AllocatorState", "KVPoolTokenAllocator", "token_view"]
 
@@ -115,18 +116,6 @@ def _ints(x: IntsLike, name: str, error: type[Exception] = ValueError) -> Ids:
     if arr.size and arr.dtype.kind not in "iu":
         raise error(f"{name} must hold integers, got dtype {arr.dtype}")
     return arr.reshape(-1).astype(np.int64, copy=True)
-
-
-def token_view(space: KVSpace, layer: int, buffer: int, dtype: torch.dtype, page_size: int,
-               token_shape: Sequence[int]) -> torch.Tensor:
-    """Layer ``layer``'s KV buffer ``buffer`` of ``space`` indexed by SGLang token slot:
-    ``(num_blocks * page_size, *token_shape)``, slot ``t`` in block ``t // page_size``
-    (per-layer layout; zero-copy)."""
-    g = space.geometry
-    if g.layout != "per_layer":
-        raise ValueError("token_view needs the per_layer layout (contiguous blocks interleave layers)")
-    blocks = space.view(layer, buffer, dtype, (page_size, *token_shape))
-    return blocks.view(g.blocks * page_size, *token_shape)
 
 
 class KVPoolTokenAllocator:
