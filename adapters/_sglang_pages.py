@@ -49,13 +49,23 @@ the space holds it and the allocator's range check refuses frees of it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from kvpool import InvalidBlocks
 
-__all__ = ["PageStates"]
+__all__ = ["AllocatorState", "PageStates"]
+
+
+@dataclass(frozen=True)
+class AllocatorState:
+    """What :meth:`KVPoolTokenAllocator.backup_state` returns (the live backup's owner and
+    generation); opaque to callers."""
+
+    owner: int
+    generation: int
 
 Ids = npt.NDArray[np.int64]
 

@@ -8,13 +8,11 @@ on it. It does not import SGLang.
 
 Supported SGLang surface (``sglang/srt/mem_cache/allocator.py`` and its
 successor package ``mem_cache/allocator/``): ``alloc(need_size)``, the
-six-argument ``alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens,
-seq_lens_cpu, last_loc, extend_num_tokens[, num_new_pages])`` (releases
-without the ``*_cpu`` arguments are not supported), ``alloc_decode(seq_lens,
-seq_lens_cpu, last_loc)``, ``free``, free groups (``free_group is None`` or the
-older ``is_not_in_free_group``), ``backup_state``/``restore_state``, the
-attributes and pass-throughs of SGLang's base class, and the newer hooks
-``free_full``, ``free_segment(s)`` and ``get_all_free_pages``. Not provided:
+six-argument ``alloc_extend`` (releases without the ``*_cpu`` arguments are
+not supported), ``alloc_decode``, ``free``, free groups (``free_group is
+None`` or the older ``is_not_in_free_group``), ``backup_state`` /
+``restore_state``, the attributes and pass-throughs of SGLang's base class,
+and ``free_full``, ``free_segment(s)``, ``get_all_free_pages``. Not provided:
 ``evict_to_free_tokens``/``check_decode_capacity`` (they drive SGLang's
 tree-cache eviction, whose API moves between releases; SGLang's base-class
 defaults are written against ``available_size``, so an integration may list
@@ -63,7 +61,9 @@ alloc is granted as promised and commits no page), so its pages empty as
 they finish. An alloc its gates counted just before the verdict turned is
 honoured from the pool's free memory (rule 5). SGLang retracts a request
 only when those slots run out (counted as a preemption,
-:meth:`KVPoolTokenAllocator.begin_preemption`).
+:meth:`KVPoolTokenAllocator.begin_preemption`). It never preempts for the
+pool: its space says so, and it publishes what its completions free
+(:meth:`KVPoolTokenAllocator.publish_freeing`).
 
 Bad frees raise. SGLang's allocators silently take some double frees (at
 ``page_size == 1`` the slot lands in the free list twice); this one raises
@@ -79,7 +79,6 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -90,7 +89,8 @@ from kvpool import Geometry, InvalidBlocks, KVSpace, MiB, Pool, PoolClosed, Pool
 from kvpool.geometry import Layout
 from kvpool.pool import default_pool_name
 
-from ._sglang_pages import PageStates
+from ._sglang_freeing import Freeing
+from ._sglang_pages import AllocatorState, PageStates
 from ._sglang_preemption import Preemptions
 from ._sglang_views import token_view
 
@@ -100,14 +100,6 @@ Ids = npt.NDArray[np.int64]
 IntsLike = torch.Tensor | Sequence[int] | npt.NDArray[np.integer[Any]]
 
 _uids = itertools.count()
-
-
-@dataclass(frozen=True)
-class AllocatorState:
-    """What :meth:`KVPoolTokenAllocator.backup_state` returns; opaque to callers."""
-
-    owner: int
-    generation: int
 
 
 def _ints(x: IntsLike, name: str, error: type[Exception] = ValueError) -> Ids:
@@ -197,6 +189,8 @@ class KVPoolTokenAllocator:
 
         self._pages = PageStates(want)  # every page's state, the pending pages and the live backup
         self._preempted = Preemptions(self.space, want)  # SGLang's retractions, counted when their pages go back
+        self.space.set_preempts(False)  # SGLang never preempts for the pool: the judge asks the other lenders
+        self._freeing = Freeing(self.space, page_size, want * page_size)  # what its completions give back
         self.free_group: list[Ids] | None = None  # page ids per free() call, or None: no group
         self._closed = False
 
@@ -268,6 +262,13 @@ class KVPoolTokenAllocator:
         """Whether the space gives memory back (the budget alone: 6 us, where stats() takes 15)."""
         b = self.space.budget()
         return bool(b.lending or b.restoring)
+
+    def publish_freeing(self, requests: Iterable[tuple[int, IntsLike]]) -> int:
+        """Publish, and return, the bytes this engine's running requests give back by completion
+        within the reclaim bound; ``requests``: (decode steps left, token indices it holds) of each
+        (:mod:`kvpool.adapters._sglang_freeing`). The plugin calls it every iteration."""
+        self._check_open()
+        return self._freeing.publish(requests)
 
     def held_pages(self) -> torch.Tensor:
         """Page ids SGLang holds now, ascending (for audits and tests)."""

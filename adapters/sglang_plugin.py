@@ -56,7 +56,11 @@ What changes, in the scheduler process, at SGLang's own points:
    When those slots run out SGLang retracts requests (6); the last one,
    which SGLang would abort, is retracted too (queued again, not failed),
    and a chunked prefill that cannot continue with nothing running is
-   retracted at ``on_idle``.
+   retracted at ``on_idle``. Each iteration ``ingest_requests`` publishes
+   the engine's ``freeing`` (the pages its running requests within
+   ``RECLAIM_STEPS`` of ``max_new_tokens`` empty as they finish,
+   :mod:`kvpool.adapters._sglang_freeing`; 0 while it gives nothing back),
+   so the pool asks a lender that preempts beside it only for the rest.
 
 Supported: MHA models with SGLang's default (NHD, unquantized) KV layout,
 any page size, one scheduler per engine (TP=1, no DP attention), on CPU and
@@ -219,7 +223,31 @@ def _ingest_requests(original: Callable[..., Any], scheduler: Any, *args: Any, *
         allocator.flush()
         if allocator.giving_back():
             _drop_prefix_cache(getattr(scheduler, "tree_cache", None))
+            allocator.publish_freeing(_running(scheduler))
+        else:
+            allocator.publish_freeing(())  # 0 (republished only when it was not)
     return original(scheduler, *args, **kwargs)
+
+
+def _running(scheduler: Any) -> list[tuple[int, Any]]:
+    """(decode steps left, token slots held) of every request holding KV: the running
+    batch's and a chunked prefill's (which does not finish within the bound)."""
+    reqs = list(getattr(getattr(scheduler, "running_batch", None), "reqs", None) or ())
+    chunked = getattr(scheduler, "chunked_req", None)
+    if chunked is not None and all(r is not chunked for r in reqs):
+        reqs.append(chunked)
+    if not reqs:
+        return []
+    table = scheduler.req_to_token_pool.req_to_token
+    out = []
+    for r in reqs:
+        row, held = r.kv.req_pool_idx, r.kv.kv_allocated_len
+        if row is None or held <= 0:
+            continue
+        cap = r.sampling_params.max_new_tokens
+        left = (1 << 30) if r is chunked or cap is None else max(0, int(cap) - len(r.output_ids))
+        out.append((left, table[row, :held]))
+    return out
 
 
 def _drop_prefix_cache(tree_cache: Any) -> None:

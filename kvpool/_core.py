@@ -7,7 +7,7 @@ hierarchy so that no other module sees raw codes.
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from . import _native
 from .errors import BackendError, InvalidBlocks, KVPoolError, LedgerError, PoolClosed, PoolExhausted, RequestTooLarge
@@ -27,6 +27,13 @@ def raise_failure(f: _native.Failure, *, requested: int = 0, ids: bool = False) 
     """Raise the kvpool error for a failed native ``alloc`` (``requested``) or ``free`` (``ids``)."""
     raise_status(f.code, f.message, requested=requested, available=f.available,
                  bad_ids=list(f.bad_ids) if ids else None, max_blocks=f.max_blocks)
+
+
+def checked(out: Any) -> Any:
+    """A native ``Outcome`` (``code``, ``message``) back if it succeeded; else its kvpool error raised."""
+    if out.code != CODE_OK:
+        raise_status(out.code, out.message)
+    return out
 
 
 def raise_status(code: int, message: str, *, requested: int = 0, available: int = 0,

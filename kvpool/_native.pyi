@@ -72,6 +72,9 @@ class BudgetFigures:
     def preempt_bytes(self) -> int: ...
 
     @property
+    def preempts(self) -> bool: ...
+
+    @property
     def preemptions_asked(self) -> int: ...
 
     @property
@@ -250,6 +253,9 @@ class TenantRow:
 
     @property
     def preempt_bytes(self) -> int: ...
+
+    @property
+    def preempts(self) -> bool: ...
 
     @property
     def preempt_asked(self) -> int: ...
@@ -512,6 +518,11 @@ class Space:
     def publish_freeing(self, freeing_bytes: int) -> Outcome:
         """
         Bytes this tenant's running requests free within the reclaim bound (budget.hpp, rule 6).
+        """
+
+    def set_preempts(self, preempts: bool) -> Outcome:
+        """
+        Whether this tenant's engine acts on the preempt verdict (false: by completion only; budget.hpp, rule 6).
         """
 
     def free_preempted(self, ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], requests: int, tokens: int) -> object:

@@ -299,9 +299,7 @@ class KVSpace(_SpaceFace):
 
     def trim(self) -> int:
         """Release every idle committed page now; returns the number released."""
-        out = self._space.trim()
-        if out.code != _core.CODE_OK:
-            _core.raise_status(out.code, out.message)
+        out = _core.checked(self._space.trim())
         return int(out.released)
 
     def set_limit(self, limit_bytes: int | None) -> None:
@@ -319,10 +317,8 @@ class KVSpace(_SpaceFace):
         """
         limit = self._limit_arg(limit_bytes)
         revision = V.integer("revision", revision, lo=-1)
-        out = self._space.set_limit(limit, revision)
-        if out.code != _core.CODE_OK:
-            _core.raise_status(out.code, out.message)
-        return out.result.name.lower()  # applied, stale, conflict or same
+        out = _core.checked(self._space.set_limit(limit, revision))
+        return str(out.result.name).lower()  # applied, stale, conflict or same
 
     def limit_setting(self) -> tuple[int | None, int]:
         """(limit bytes, revision) in force (in the pool ledger, or the private budget)."""
@@ -335,10 +331,8 @@ class KVSpace(_SpaceFace):
 
     def _set_guarantee(self, guarantee_bytes: int | None, revision: int) -> str:
         """Set the guarantee under ``revision`` (-1: next); returns how the pool took it."""
-        out = self._space.set_guarantee(self._limit_arg(guarantee_bytes, "guarantee_bytes"), revision)
-        if out.code != _core.CODE_OK:
-            _core.raise_status(out.code, out.message)
-        return out.result.name.lower()  # applied, stale, conflict or same
+        out = _core.checked(self._space.set_guarantee(self._limit_arg(guarantee_bytes, "guarantee_bytes"), revision))
+        return str(out.result.name).lower()  # applied, stale, conflict or same
 
     def set_headroom(self, headroom_bytes: int) -> None:
         """Ask borrowers to leave up to ``headroom_bytes`` of this tenant's unused guarantee free.
@@ -354,9 +348,7 @@ class KVSpace(_SpaceFace):
         headroom = self._headroom_arg(headroom_bytes, pooled=self.pool is not None)
         if self.pool is None:
             return  # 0 asked of a private space: nothing to keep free
-        out = self._space.set_headroom(headroom)
-        if out.code != _core.CODE_OK:
-            _core.raise_status(out.code, out.message)
+        _core.checked(self._space.set_headroom(headroom))
 
     def budget(self) -> BudgetStats:
         """The tenant's budget: limit, guarantee, what it borrows, whether it lends
@@ -374,9 +366,17 @@ class KVSpace(_SpaceFace):
         (:meth:`budget`). Owner-written, not revisioned; >= 0.
         """
         self._check_open()
-        out = self._space.publish_freeing(V.integer("freeing_bytes", freeing_bytes))
-        if out.code != _core.CODE_OK:
-            _core.raise_status(out.code, out.message)
+        _core.checked(self._space.publish_freeing(V.integer("freeing_bytes", freeing_bytes)))
+
+    def set_preempts(self, preempts: bool) -> None:
+        """Whether this tenant's engine acts on the ``preempt_bytes`` verdict (default True).
+        False (an engine that reclaims by completion only, as SGLang's allocator): it is never
+        asked (``preempt_bytes`` stays 0), its ``freeing`` still counts, and the lenders that
+        preempt are asked the rest."""
+        self._check_open()
+        if not isinstance(preempts, bool):
+            raise TypeError(f"preempts must be a bool, got {type(preempts).__name__}")
+        _core.checked(self._space.set_preempts(preempts))
 
     def free_preempted(self, blocks: Iterable[int] | BlockIds | torch.Tensor, *, requests: int,
                        tokens: int) -> None:
@@ -398,9 +398,7 @@ class KVSpace(_SpaceFace):
     def set_reserve(self, min_pages: int, max_pages: int) -> None:
         """Keep between ``min_pages`` and ``max_pages`` committed idle pages."""
         lo, hi = V.integer("min_pages", min_pages), V.integer("max_pages", max_pages)
-        out = self._space.set_reserve(lo, hi)
-        if out.code != _core.CODE_OK:
-            _core.raise_status(out.code, out.message)
+        _core.checked(self._space.set_reserve(lo, hi))
 
     # -- observation --------------------------------------------------------
     def stats(self) -> SpaceStats:

@@ -205,6 +205,18 @@ void bind_space_figures(nb::class_<Space>& cls) {
             "freeing_bytes"_a,
             "Bytes this tenant's running requests free within the reclaim bound (budget.hpp, rule 6).")
         .def(
+            "set_preempts",
+            [](Space& s, bool preempts) {
+                Status st;
+                {
+                    nb::gil_scoped_release nogil;
+                    st = s.set_preempts(preempts);
+                }
+                return Outcome(std::move(st));
+            },
+            "preempts"_a,
+            "Whether this tenant's engine acts on the preempt verdict (false: by completion only; budget.hpp, rule 6).")
+        .def(
             "free_preempted",
             [](Space& s, IdInput ids, int64_t requests, int64_t tokens) -> nb::object {
                 if (requests < 1 || tokens < 0)

@@ -107,7 +107,9 @@ int64_t judge_preempt_share(const LedgerSnapshot& s, int slot) {
             const int64_t borrowed = r.claimed - g;
             const int64_t covered = std::min(r.freeing, borrowed);
             freeing += covered;
-            lenders.push_back({borrowed, r.slot, covered});
+            // A lender that reclaims by completion only is never asked:
+            // what its completions cover counts, the rest falls to the others.
+            if (r.preempts) lenders.push_back({borrowed, r.slot, covered});
         }
     }
     // The urgent part from anything borrowed; the rest only as far as
@@ -130,6 +132,14 @@ int64_t judge_preempt_share(const LedgerSnapshot& s, int slot) {
 }
 
 }  // namespace
+
+void Budget::set_preempts(bool preempts) {
+    if (preempts == preempts_) return;
+    preempts_ = preempts;
+    if (!ledger_) return;
+    ledger_->publish_preempts(slot_, preempts);
+    ledger_->bump_generation();  // the other lenders' shares change: they judge again
+}
 
 Status Budget::publish_freeing(int64_t bytes) {
     if (bytes < 0) return Status::make(Code::Invalid, "freeing_bytes must be >= 0, got " + std::to_string(bytes));
@@ -379,6 +389,7 @@ BudgetFigures Budget::figures() const {
     f.pool_capacity = ledger_ ? ledger_->capacity() : -1;
     f.freeing_bytes = freeing_bytes_;
     f.preempt_bytes = preempt_bytes_;
+    f.preempts = preempts_;
     f.preemptions_asked = preempt_asked_;
     f.requests_preempted = preempted_;
     f.tokens_recomputed = recomputed_;

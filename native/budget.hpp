@@ -48,7 +48,11 @@
 //      same rows, so no lender preempts what another was asked for. A
 //      waiter's want is republished against the room there is whenever its
 //      manager asks available() (Space::republish_want_locked), so memory
-//      freed lowers the deficit at once.
+//      freed lowers the deficit at once. A lender whose engine never acts
+//      on the verdict (set_preempts(false): SGLang, whose requests share
+//      pages a token at a time) is left out of the split: its freeing
+//      still counts, and the rest of the deficit falls to the lenders that
+//      preempt (none: the waiter waits for completions).
 // The verdicts are judged on a ledger snapshot at every claim; the space's
 // hot path reads the cached lending verdict, refreshed when the pool's
 // generation moves (every want appearing or going, every setting, join and
@@ -82,6 +86,7 @@ struct BudgetFigures {
     // Rule 6 (issue 31): reclaim by completion first.
     int64_t freeing_bytes = 0;       // published: what its running requests free within the bound
     int64_t preempt_bytes = 0;       // verdict while lending: bytes to preempt now (0: by completion only)
+    bool preempts = true;            // its engine acts on the verdict (false: by completion only)
     int64_t preemptions_asked = 0;   // verdicts with preempt_bytes > 0 its engine acted on
     int64_t requests_preempted = 0;
     int64_t tokens_recomputed = 0;   // of the preempted requests: prompt and generated tokens to prefill again
@@ -161,6 +166,9 @@ public:
     // reclaim bound (bytes >= 0, else Invalid; a private budget keeps it).
     Status publish_freeing(int64_t bytes);
     int64_t freeing_bytes() const { return freeing_bytes_; }
+    // Rule 6: whether this tenant's engine acts on the verdict (false: it
+    // reclaims by completion only, and the judges ask the other lenders).
+    void set_preempts(bool preempts);
     // Judges the preemption verdict on a fresh snapshot (0 unless lending)
     // and publishes it; returns it.
     int64_t judge_preempt();
@@ -197,6 +205,7 @@ private:
     uint32_t seen_generation_ = 0;
     // Rule 6: published freeing, the last verdict, and the owner's counters.
     int64_t freeing_bytes_ = 0;
+    bool preempts_ = true;
     int64_t preempt_bytes_ = 0;
     int64_t preempt_asked_ = 0, preempted_ = 0, recomputed_ = 0;
     int64_t reclaimed_completion_ = 0, reclaimed_preemption_ = 0;

@@ -225,6 +225,7 @@ LedgerSnapshot Ledger::snapshot(bool names) const {
         r.shortages = t.shortages.load(std::memory_order_relaxed);
         r.freeing = std::clamp<int64_t>(t.freeing.load(kSeq), 0, s.capacity);
         r.preempt_bytes = std::clamp<int64_t>(t.preempt_bytes.load(kSeq), 0, s.capacity);
+        r.preempts = t.no_preempt.load(kSeq) != 1;  // anything else (a hostile write) reads as preempting
         r.preempt_asked = t.preempt_asked.load(std::memory_order_relaxed);
         r.preempted = t.preempted.load(std::memory_order_relaxed);
         r.recomputed_tokens = t.recomputed_tokens.load(std::memory_order_relaxed);

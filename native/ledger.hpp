@@ -86,7 +86,11 @@ struct TenantSlot {
     std::atomic<int64_t> reserve_pages;  // idle committed pages
     std::atomic<int32_t> lending;     // 1 while it lends to a tenant below its guarantee, 2 while it
                                       // restores what others keep free (budget.hpp, rule 5)
-    std::atomic<int32_t> pad0;
+    // 1: its engine reclaims by completion only (it never acts on the
+    // preempt verdict: SGLang, whose requests interleave on pages), so every
+    // judge splits the preemption among the other lenders (budget.hpp,
+    // rule 6). Was a pad word: ledgers before it read 0, as preempting.
+    std::atomic<int32_t> no_preempt;
     std::atomic<int64_t> judged_revision;  // the limit revision limit_state judged
     // Headroom (budget.hpp, rule 5): bytes of its unused guarantee this
     // tenant asks borrowers to leave free, so its next request is granted at
@@ -151,6 +155,7 @@ struct TenantRow {
     int64_t headroom = 0, keep_free = 0;  // owner-published (TenantSlot)
     uint64_t allocs = 0, shortages = 0;  // owner-counted answers to alloc: granted, refused
     int64_t freeing = 0, preempt_bytes = 0;  // owner-published (TenantSlot): reclaim by completion first
+    bool preempts = true;                    // owner-published (TenantSlot::no_preempt == 0)
     uint64_t preempt_asked = 0, preempted = 0, recomputed_tokens = 0;  // owner-counted (TenantSlot)
     uint64_t reclaimed_completion = 0, reclaimed_preemption = 0;       // bytes given back while lending
     int64_t limit = -1, limit_revision = 0, guarantee = -1, guarantee_revision = 0;
@@ -213,6 +218,9 @@ public:
     void publish_headroom(int slot, int64_t headroom_bytes, int64_t keep_free_bytes);
     // Reclaim by completion first (TenantSlot::freeing and what follows it).
     void publish_freeing(int slot, int64_t bytes) { hdr_->tenants[slot].freeing.store(bytes, std::memory_order_seq_cst); }
+    void publish_preempts(int slot, bool preempts) {
+        hdr_->tenants[slot].no_preempt.store(preempts ? 0 : 1, std::memory_order_seq_cst);
+    }
     void publish_preempt(int slot, int64_t bytes) { hdr_->tenants[slot].preempt_bytes.store(bytes, std::memory_order_release); }
     void count_preemption(int slot, bool asked, uint64_t requests, uint64_t tokens, uint64_t bytes) {
         TenantSlot& t = hdr_->tenants[slot];

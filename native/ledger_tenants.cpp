@@ -141,6 +141,7 @@ static void clear_figures(TenantSlot& t) {
     t.allocs.store(0);  // counters start at 0 for a new tenant
     t.shortages.store(0);
     t.freeing.store(0);
+    t.no_preempt.store(0);
     t.preempt_bytes.store(0);
     t.preempt_asked.store(0);
     t.preempted.store(0);

@@ -455,6 +455,16 @@ Status Space::publish_freeing(int64_t bytes) {
     return budget_.publish_freeing(bytes);
 }
 
+Status Space::set_preempts(bool preempts) {
+    Status usable = check_usable();
+    if (!usable.is_ok()) return usable;
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return Status::make(Code::Closed, "space is closed");
+    budget_.set_preempts(preempts);
+    budget_.judge_preempt();  // its own verdict: 0 from now on if it does not preempt
+    return Status::ok();
+}
+
 int64_t Space::allocated_bytes() {
     if (!check_usable().is_ok()) return 0;
     std::lock_guard<std::mutex> lk(mu_);

@@ -141,6 +141,7 @@ public:
     Status set_guarantee(int64_t bytes, int64_t revision, LimitResult* result);
     Status set_headroom(int64_t bytes);  // budget.hpp, rule 5
     Status publish_freeing(int64_t bytes);  // budget.hpp, rule 6
+    Status set_preempts(bool preempts);     // budget.hpp, rule 6
     Status set_reserve(int64_t min_pages, int64_t max_pages);
     Status page_occupancy(const int64_t* pages, int64_t n, int64_t* used, int64_t* state);
     SpaceStats stats();

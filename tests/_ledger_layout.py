@@ -8,7 +8,7 @@
 
     slot: pid i32 | live u32 | pidns u64 | start_time u64 | name[72] |
           claimed | pending | want | wait_ticket | waiting i32 | limit_state i32 |
-          reserve_pages | lending i32 | pad i32 | judged_revision | headroom | keep_free |
+          reserve_pages | lending i32 | no_preempt i32 | judged_revision | headroom | keep_free |
           allocs u64 | shortages u64 | freeing | preempt_bytes | preempt_asked u64 |
           preempted u64 | recomputed_tokens u64 | reclaimed_completion u64 | reclaimed_preemption u64 |
           settings: seq u64, limit,
@@ -38,7 +38,7 @@ class TenantSlot(ctypes.Structure):
                 ("start_time", ctypes.c_uint64), ("name", ctypes.c_char * NAME_BYTES),
                 ("claimed", ctypes.c_int64), ("pending", ctypes.c_int64), ("want", ctypes.c_int64),
                 ("wait_ticket", ctypes.c_uint64), ("waiting", ctypes.c_int32), ("limit_state", ctypes.c_int32),
-                ("reserve_pages", ctypes.c_int64), ("lending", ctypes.c_int32), ("pad0", ctypes.c_int32),
+                ("reserve_pages", ctypes.c_int64), ("lending", ctypes.c_int32), ("no_preempt", ctypes.c_int32),
                 ("judged_revision", ctypes.c_int64), ("headroom", ctypes.c_int64), ("keep_free", ctypes.c_int64),
                 ("allocs", ctypes.c_uint64), ("shortages", ctypes.c_uint64),
                 ("freeing", ctypes.c_int64), ("preempt_bytes", ctypes.c_int64),

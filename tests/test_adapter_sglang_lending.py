@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvpool import Pool
+from kvpool import InvalidBlocks, Pool, PoolClosed
+from kvpool.adapters._reclaim import RECLAIM_STEPS
 
 from . import _sglang_support as S
 from ._helpers import wait_until
@@ -145,3 +146,52 @@ def test_an_alloc_counted_before_the_verdict_turned_is_honoured_from_the_pools_f
     assert a.decode_size() == a.available_size() == 0  # and it grows no further
     a.clear()  # every page back: b is granted
     assert waiter.join() is not None
+
+
+@pytest.mark.timeout(120)
+def test_a_lending_sglang_engine_is_never_asked_to_preempt_and_its_completions_lower_the_others_share(
+        make_alloc: MakeAlloc, pool_name: str) -> None:
+    # Three engines, 6 pages guaranteed each: SGLang ``a`` holds 9 (borrows 3), ``c``
+    # (an engine that acts on the verdict, as vLLM's plugin does) holds 8 (borrows 2),
+    # ``b`` holds 1 and waits for 3 more in a full pool. Before, the judge asked SGLang
+    # for all 3 (it borrows most), which it never acts on, and ``c`` for nothing: the
+    # waiter waited for SGLang's completions, however far off.
+    Pool(pool_name, capacity=18 * PAGE)
+    a, b, c = (make_alloc(1, pool=pool_name) for _ in range(3))  # each commits page 0 (the padding block)
+    c.space.set_preempts(True)  # c stands for an engine that acts on the verdict
+    short = a.alloc(BLOCKS_PER_PAGE - 1)  # the rest of page 0
+    soon = a.alloc(2 * BLOCKS_PER_PAGE)  # 2 pages of its own
+    late = a.alloc(6 * BLOCKS_PER_PAGE)  # 6 pages
+    assert short is not None and soon is not None and late is not None
+    assert c.alloc(8 * BLOCKS_PER_PAGE - 1) is not None
+    waiter = Waiter(b, 4 * BLOCKS_PER_PAGE - 1)
+    wait_until(lambda: S.waiting(pool_name, b.space.name), "b waits, and tells the pool so")
+    try:
+        assert a.giving_back() and not a.space.budget().preempts
+        assert (a.space.budget().preempt_bytes, c.space.budget().preempt_bytes) == (0, 2 * PAGE)
+        # ``soon`` finishes within the bound: its 2 pages empty then, the others' do not.
+        far = 10 * RECLAIM_STEPS
+        assert a.publish_freeing([(far, short), (RECLAIM_STEPS, soon), (far, late)]) == 2 * PAGE
+        rows = {t.name: t for t in Pool(pool_name).tenants()}
+        assert rows[a.space.name].freeing_bytes == 2 * PAGE and not rows[a.space.name].preempts
+        assert c.space.budget().preempt_bytes == 1 * PAGE  # 3 needed, 2 come by completion
+        # A long request sharing one of soon's pages (a common prefix) keeps that page.
+        assert a.publish_freeing([(RECLAIM_STEPS, soon), (far, torch.cat([late, soon[:1]]))]) == PAGE
+        assert c.space.budget().preempt_bytes == 2 * PAGE
+        assert a.publish_freeing([(0, soon), (RECLAIM_STEPS, late)]) == 8 * PAGE
+        assert c.space.budget().preempt_bytes == 0  # SGLang's completions cover all 3
+        # Bad input raises and changes nothing.
+        for bad, error in (([(-1, soon)], ValueError), ([(True, soon)], ValueError),
+                           ([(1, soon), (1, i64([0, 10_000]))], InvalidBlocks)):
+            with pytest.raises(error):
+                a.publish_freeing(bad)
+            assert a.space.budget().freeing_bytes == 8 * PAGE
+        assert a.publish_freeing(()) == 0 and a.space.budget().freeing_bytes == 0
+        a.close()
+        with pytest.raises(PoolClosed):
+            a.publish_freeing(())
+    finally:
+        if not a.closed:
+            a.clear()
+        c.clear()
+        assert waiter.join() is not None

@@ -164,6 +164,8 @@ class Lent:
     outs: list[Any]  # per request: its output length, or "HTTP <code>"
     row: Any  # SGLang's tenant row at the end
     log: str  # SGLang's log
+    freeing: int  # the most freeing SGLang published while the waiter waited
+    asked: int  # the most SGLang was asked to preempt meanwhile
 
 
 def lend(model: str, tmp_path: pathlib.Path, pool: str, *, pool_pages: int, requests: int, prompt: int, new: int,
@@ -199,6 +201,18 @@ def lend(model: str, tmp_path: pathlib.Path, pool: str, *, pool_pages: int, requ
         assert sglang().committed_bytes >= at * commit, "SGLang finished before it borrowed"
         waiter = KVSpace(Geometry(1, 1, commit, want, page_bytes=commit), pool=Pool(pool), reserve=(0, 0),
                          reserve_thread=False, name="waiter")
+        seen = {"freeing": 0, "asked": 0}
+        granted = threading.Event()
+
+        def watch() -> None:  # SGLang's published figures while the waiter waits
+            while not granted.is_set():
+                row = sglang()
+                seen["freeing"] = max(seen["freeing"], row.freeing_bytes)
+                seen["asked"] = max(seen["asked"], row.preempt_bytes)
+                granted.wait(0.005)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
         try:
             # Its guarantee, so SGLang lends. A stall (nobody frees anything for 120 s) is
             # the failure this guards against; the test's timeout bounds the rest.
@@ -206,11 +220,13 @@ def lend(model: str, tmp_path: pathlib.Path, pool: str, *, pool_pages: int, requ
             assert len(got) == want
             waiter.free(got)
         finally:
+            granted.set()
+            watcher.join()
             waiter.close()
         for c in clients:
             c.join()
         row = sglang()
-    return Lent(outs, row, log.read_text())
+    return Lent(outs, row, log.read_text(), seen["freeing"], seen["asked"])
 
 
 def retractions(log: str) -> int:
@@ -230,6 +246,10 @@ def test_a_lending_sglang_server_finishes_every_request_and_the_waiter_gets_its_
     assert r.row.reclaimed_by_completion_bytes > 0  # pages went back as requests finished, while lending
     assert r.row.requests_preempted == retractions(r.log)  # every retraction logged, counted as a preemption
     assert "aborted" not in r.log
+    # It tells the pool it never preempts for it (never asked), and publishes the pages its
+    # requests within the reclaim bound empty as they finish (the 4 requests all come within
+    # it, a few hundred decode steps, before the waiter has its 64 pages).
+    assert not r.row.preempts and r.asked == 0 and r.freeing > 0
 
 
 def test_a_lending_sglang_servers_last_request_is_retracted_not_aborted(

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool import Geometry, KVCacheManager, Pool
+from kvpool import Geometry, KVCacheManager, Pool, PoolClosed
 from kvpool.demo import sched as demo_sched
 from kvpool.demo.clock import RealClock
 from kvpool.demo.sched import Running, Scheduler
@@ -90,6 +90,55 @@ def test_two_lenders_split_the_deficit_most_borrowed_first(pool_name: str, a_fre
         await asyncio.gather(waiter, return_exceptions=True)
         for m in (a, b, c):
             await m.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("a_freeing", "c_share"), [(0, 2), (2, 2), (3, 1), (4, 1)])
+def test_a_lender_that_does_not_preempt_is_never_asked_and_the_others_are_asked_its_share(
+        pool_name: str, a_freeing: int, c_share: int) -> None:
+    # An SGLang engine never acts on the verdict (its requests share pages a
+    # token at a time). Before, the judge asked it first (it borrows most) and
+    # the lender that does preempt was asked only 1 of the 2 pages it borrows:
+    # the waiter waited for the SGLang engine's completions, however far off.
+    Pool(pool_name, capacity=15 * PAGE)  # three tenants: 5 pages guaranteed each
+
+    async def main() -> None:
+        a, b, c = _manager(pool_name, "a"), _manager(pool_name, "b"), _manager(pool_name, "c")
+        _pages(a, 8)  # borrows 3
+        _pages(c, 7)  # borrows 2; the pool is full
+        waiter = await _wait_queued(b, b.alloc(32))  # 4 pages short, within its guarantee
+        assert (a.budget().preempt_bytes, c.budget().preempt_bytes) == (3 * PAGE, 1 * PAGE)  # most borrowed first
+        a.publish_freeing(a_freeing * PAGE)
+        a.space.set_preempts(False)
+        verdict = a.budget()
+        assert verdict.lending and not verdict.preempts and verdict.preempt_bytes == 0
+        # a's completions within the bound still cover the need, up to what it borrows (3).
+        assert c.budget().preempt_bytes == c_share * PAGE
+        assert a.space.pool is not None
+        rows = {t.name: t for t in a.space.pool.tenants()}
+        assert (rows["a"].preempts, rows["c"].preempts) == (False, True)
+        a.space.set_preempts(True)  # and back: asked first again
+        assert a.budget().preempt_bytes == max(0, 3 - a_freeing) * PAGE
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        for m in (a, b, c):
+            await m.aclose()
+
+    asyncio.run(main())
+
+
+def test_preempts_is_validated_and_a_closed_space_refuses_it(pool_name: str) -> None:
+    Pool(pool_name, capacity=8 * PAGE)
+
+    async def main() -> None:
+        a = _manager(pool_name, "a")
+        with pytest.raises(TypeError, match="preempts must be a bool"):
+            a.space.set_preempts(1)  # type: ignore[arg-type]
+        assert a.budget().preempts
+        await a.aclose()
+        with pytest.raises(PoolClosed, match="closed"):
+            a.space.set_preempts(False)
 
     asyncio.run(main())
 

@@ -83,7 +83,7 @@ from kvpool.tracing import get_logger
 from . import _patching
 from ._patching import PatchPoint, UnsupportedVLLM, installed, uninstall
 from .admission import blocks_per_request_in_groups, check_one_request_fits
-from ._reclaim import Running
+from .._reclaim import Running
 from .block_pool import KVPoolBlockPool
 from .layout import engine_layout, space_layout, view_tensor
 

@@ -85,7 +85,7 @@ from kvpool import BudgetStats, KVSpace, PoolExhausted, RequestTooLarge
 from kvpool.block_queue import FreeQueue, raise_alloc_failure
 from kvpool.tracing import get_logger
 
-from ._reclaim import Reclaim, Running
+from .._reclaim import Reclaim, Running
 
 from vllm.v1.core.block_pool import BlockPool
 

@@ -19,6 +19,7 @@ import os
 import pkgutil
 import sys
 import traceback
+from array import array
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -237,6 +238,11 @@ def a_lender_admits_nothing_drops_its_prefix_cache_and_decodes_into_its_held_pag
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.prefill_budget import PrefillBudget
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from kvpool.adapters._reclaim import RECLAIM_STEPS
 
     from kvpool import Geometry, KVSpace
 
@@ -269,9 +275,25 @@ def a_lender_admits_nothing_drops_its_prefix_cache_and_decodes_into_its_held_pag
     waiter.start()
     while not any(t.waiting for t in Pool(name).tenants() if t.name == "waiter"):
         threading.Event().wait(0.002)
-    sched = SimpleNamespace(token_to_kv_pool_allocator=alloc, tree_cache=cache)
+    # x's and y's requests, as SGLang's scheduler holds them: x within the reclaim bound of
+    # its max_new_tokens, y far from it.
+    rows = ReqToTokenPool(size=2, max_context_len=1024, device="cpu", enable_memory_saver=False)
+    reqs = [Req(f"r{i}", "", array("i", [1] * 8), SamplingParams(max_new_tokens=n))
+            for i, n in enumerate((RECLAIM_STEPS, 10 * RECLAIM_STEPS))]
+    for r, idx, slots in zip(reqs, rows.alloc(reqs), (x, y)):
+        held = torch.cat(slots)
+        rows.write((idx, slice(0, len(held))), held.to(torch.int32))
+        r.kv.kv_allocated_len = len(held)
+    sched = SimpleNamespace(token_to_kv_pool_allocator=alloc, tree_cache=cache, req_to_token_pool=rows,
+                            running_batch=SimpleNamespace(reqs=reqs), chunked_req=None)
     plugin._ingest_requests(lambda s: None, sched)  # the top of an iteration: the lender drops its cache
     assert alloc.giving_back() and cache.evictable_size() == 0
+    me = next(t for t in Pool(name).tenants() if t.name == alloc.space.name)
+    assert not me.preempts and me.freeing_bytes == 0  # x's pages are y's too: none empties when x finishes
+    reqs[1].sampling_params.max_new_tokens = len(reqs[1].output_ids) + 1  # y is about to finish too
+    plugin._ingest_requests(lambda s: None, sched)
+    me = next(t for t in Pool(name).tenants() if t.name == alloc.space.name)
+    assert me.freeing_bytes == 3 * commit  # every page it holds empties
     budget = alloc.create_prefill_budget(cache)
     assert isinstance(budget, PrefillBudget) and not budget.has_capacity()  # admits nothing
     alloc.flush()
@@ -292,6 +314,8 @@ def a_lender_admits_nothing_drops_its_prefix_cache_and_decodes_into_its_held_pag
     assert len(got) == 1 and len(got[0]) == 2
     assert not alloc.giving_back() and alloc.create_prefill_budget(cache).has_capacity()
     assert alloc.space.budget().requests_preempted == 0
+    plugin._ingest_requests(lambda s: None, sched)  # gives nothing back any more: freeing goes back to 0
+    assert alloc.space.budget().freeing_bytes == 0
     other.close()
     pool.kvpool_space.close()
 

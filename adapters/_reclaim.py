@@ -1,11 +1,13 @@
-"""Which of a lending vLLM engine's running requests free memory by completion, and which to preempt.
+"""Which of a lending engine's running requests free memory by completion, and which to preempt.
 
-The plugin's side of the reclaim rule (ARCHITECTURE.md "Fair share", rule 8):
-each step while lending it publishes the bytes its running requests free by
-completion within the bound (:meth:`Reclaim.freeing`), and only when the
-pool's verdict asks it to preempt does it choose victims, cheapest to
-recompute first (:meth:`Reclaim.victims`). Pages, not blocks: vLLM requests
-share pages, and only a page no remaining request holds goes back.
+The engine plugins' side of the reclaim rule (ARCHITECTURE.md "Fair share",
+rule 8): each step while lending a plugin publishes the bytes its running
+requests free by completion within the bound (:meth:`Reclaim.freeing`: the
+vLLM plugin and the SGLang allocator), and only when the pool's verdict asks
+it to preempt does it choose victims, cheapest to recompute first
+(:meth:`Reclaim.victims`: the vLLM plugin; SGLang never preempts for the
+pool). Pages, not blocks: requests share pages, and only a page no remaining
+request holds goes back.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ __all__ = ["RECLAIM_STEPS", "Reclaim", "Running"]
 
 # The reclaim bound (ARCHITECTURE.md "Fair share", rule 8): a running request
 # that finishes within this many decode steps frees its memory by completion,
-# and its pages are published as ``freeing``. vLLM decodes one token per
-# running request per step, so steps left = tokens left: ``max_tokens`` minus
+# and its pages are published as ``freeing``. vLLM and SGLang decode one token
+# per running request per step, so steps left = tokens left: the request's
+# maximum new tokens minus
 # the output so far (an upper bound: EOS or a stop string may end it sooner,
 # so freeing is understated, never overstated). The demo engines' bound
 # (demo/sched.py RECLAIM_STEPS), measured there on the virtual clock.
@@ -32,13 +35,13 @@ RECLAIM_STEPS = 256
 
 @dataclass(frozen=True)
 class Running:
-    """A running vLLM request as the reclaim decision sees it (built by the
-    scheduler hook, only while this engine lends)."""
+    """A running request as the reclaim decision sees it (built by the
+    engine's hook, only while this engine lends)."""
 
-    request: Any  # vLLM's Request
+    request: Any  # the engine's request
     steps_left: int  # decode steps until max_tokens
     computed: int  # tokens a preemption would recompute
-    block_ids: list[int]  # every group's blocks
+    block_ids: Sequence[int] | npt.NDArray[np.int64]  # every block it holds (every KV cache group's)
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class Reclaim:
     page_first: npt.NDArray[np.int64]
     page_commit_bytes: int
 
-    def pages(self, block_ids: Sequence[int]) -> set[int]:
+    def pages(self, block_ids: Sequence[int] | npt.NDArray[np.int64]) -> set[int]:
         ids = np.asarray(block_ids, dtype=np.int64)
         ids = ids[ids > 0]  # vLLM's null block (0) stands in for blocks a window dropped
         return set(np.unique(np.searchsorted(self.page_first, ids, side="right") - 1).tolist())
