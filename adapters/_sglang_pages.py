@@ -119,6 +119,13 @@ class PageStates:
         self.state[pages] = np.where(state == HELD, KEPT, PENDING) if self.backup_live else PENDING
         self.pending = np.concatenate((self.pending, pages))
 
+    def reserve(self, pages: Ids) -> None:
+        """Fresh pages from the space, taken ahead of an alloc a gate counted: pending
+        (young, the next allocs take them first; back to the space at the second flush
+        if none does)."""
+        self.state[pages] = PENDING
+        self.pending = np.concatenate((self.pending, pages))
+
     def backup(self) -> int:
         """Start a backup (ending an earlier one); returns its generation."""
         self.end_backup()

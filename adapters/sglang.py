@@ -18,7 +18,7 @@ tree-cache eviction, whose API moves between releases; SGLang's base-class
 defaults are written against ``available_size``, so an integration may list
 ``BaseTokenToKVPoolAllocator`` as a second base after this class, as
 :mod:`kvpool.adapters.sglang_plugin` does, overriding
-``check_decode_capacity`` with :meth:`KVPoolTokenAllocator.decode_size`),
+``check_decode_capacity`` with :meth:`KVPoolTokenAllocator.reserve`),
 ``verify_byte_accounting``, ``translate_kv_indices_for_transfer``,
 ``resize`` and ``merge_and_sort_free``.
 
@@ -45,7 +45,8 @@ out-of-memory, so when another engine takes the budget in between, an alloc
 waits in :meth:`kvpool.KVSpace.acquire` (the pool sees this engine waiting)
 for as long as the other tenants make progress, and returns ``None`` once
 none has for ``shortage_wait_s``; never when SGLang's own allocator would
-miss too.
+miss too. The decode gate leaves no such gap: :meth:`KVPoolTokenAllocator.reserve`
+takes the pages it counts (a miss there makes SGLang retract, not fail).
 Below the pool's edge ``available_size()`` is less than ``size - used``, so
 SGLang's idle leak check (available + evictable == ``max_total_num_tokens``)
 has to be relaxed by the integration.
@@ -56,8 +57,8 @@ restores the others' headroom) the pool refuses it new pages. It then admits
 nothing and drops its prefix cache (:meth:`KVPoolTokenAllocator.giving_back`:
 the plugin's prefill budget and iteration hook), and its running requests
 decode into the free slots of the pages it already holds
-(:meth:`KVPoolTokenAllocator.decode_size`: the plugin's decode gate; such an
-alloc is granted as promised and commits no page), so its pages empty as
+(:meth:`KVPoolTokenAllocator.decode_size`, taken by the plugin's decode gate,
+:meth:`KVPoolTokenAllocator.reserve`; it commits no page), so its pages empty as
 they finish. An alloc its gates counted just before the verdict turned is
 honoured from the pool's free memory (rule 5). SGLang retracts a request
 only when those slots run out (counted as a preemption,
@@ -89,7 +90,7 @@ from kvpool import Geometry, InvalidBlocks, KVSpace, MiB, Pool, PoolClosed, Pool
 from kvpool.geometry import Layout
 from kvpool.pool import default_pool_name
 
-from ._sglang_freeing import Freeing
+from ._sglang_lending import Freeing, LenderGates
 from ._sglang_pages import AllocatorState, PageStates
 from ._sglang_preemption import Preemptions
 from ._sglang_views import token_view
@@ -110,7 +111,7 @@ def _ints(x: IntsLike, name: str, error: type[Exception] = ValueError) -> Ids:
     return arr.reshape(-1).astype(np.int64, copy=True)
 
 
-class KVPoolTokenAllocator:
+class KVPoolTokenAllocator(LenderGates):
     """SGLang ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` over a KV space.
 
     Frees reach the space at the second :meth:`flush` after them: call
@@ -232,43 +233,6 @@ class KVPoolTokenAllocator:
         """Tokens a following ``alloc`` can deliver: the space's free pages plus pending ones."""
         self._check_open()
         return (self.space.available() + int(self._pages.pending.size)) * self.page_size
-
-    def decode_size(self) -> int:
-        """Tokens the running requests' next decode can get: :meth:`available_size`
-        and, while this engine gives memory back (it lends, or restores the
-        others' headroom), the free slots of the kvpool pages it holds.
-
-        SGLang's decode gate (the plugin's ``check_decode_capacity``). A lender
-        does not grow onto new pages, but its running requests keep decoding
-        into the pages it holds, so they finish and the pages empty (reclaim
-        by completion, ARCHITECTURE.md "Fair share" rules 5 and 8) instead of
-        SGLang retracting them one after another and aborting the last.
-        """
-        self._check_open()
-        st = self.space.stats()  # one snapshot: room and the verdict read together
-        b = st.budget
-        space = st.room_blocks if b.lending or b.restoring else st.available  # (available is 0 while giving back)
-        return (int(space) + int(self._pages.pending.size)) * self.page_size
-
-    def giving_back(self) -> bool:
-        """Whether this engine gives memory back now (it lends to a tenant below
-        its guarantee, or restores the others' headroom). It then admits
-        nothing and drops its prefix cache (the plugin's prefill budget and
-        iteration hook), so its pages empty as its running requests finish."""
-        self._check_open()
-        return self._gives_back()
-
-    def _gives_back(self) -> bool:
-        """Whether the space gives memory back (the budget alone: 6 us, where stats() takes 15)."""
-        b = self.space.budget()
-        return bool(b.lending or b.restoring)
-
-    def publish_freeing(self, requests: Iterable[tuple[int, IntsLike]]) -> int:
-        """Publish, and return, the bytes this engine's running requests give back by completion
-        within the reclaim bound; ``requests``: (decode steps left, token indices it holds) of each
-        (:mod:`kvpool.adapters._sglang_freeing`). The plugin calls it every iteration."""
-        self._check_open()
-        return self._freeing.publish(requests)
 
     def held_pages(self) -> torch.Tensor:
         """Page ids SGLang holds now, ascending (for audits and tests)."""

@@ -59,7 +59,7 @@ What changes, in the scheduler process, at SGLang's own points:
    retracted at ``on_idle``. Each iteration ``ingest_requests`` publishes
    the engine's ``freeing`` (the pages its running requests within
    ``RECLAIM_STEPS`` of ``max_new_tokens`` empty as they finish,
-   :mod:`kvpool.adapters._sglang_freeing`; 0 while it gives nothing back),
+   :mod:`kvpool.adapters._sglang_lending`; 0 while it gives nothing back),
    so the pool asks a lender that preempts beside it only for the rest.
 
 Supported: MHA models with SGLang's default (NHD, unquantized) KV layout,
@@ -447,9 +447,9 @@ def _sglang_allocator_class(base: type, budget_class: type) -> type[KVPoolTokenA
                                   spec_algorithm: Any = None) -> bool:
             """SGLang's decode gate (its retraction loop converges on it): what the
             running requests can get, the held pages' free slots included while
-            giving back (:meth:`decode_size`)."""
+            giving back (:meth:`decode_size`), taken now (:meth:`reserve`)."""
             self.evict_to_free_tokens(tree_cache, num_tokens)
-            return self.decode_size() >= num_tokens
+            return self.reserve(num_tokens)
 
         def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> Any:
             return budget_class(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)

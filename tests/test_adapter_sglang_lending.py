@@ -195,3 +195,64 @@ def test_a_lending_sglang_engine_is_never_asked_to_preempt_and_its_completions_l
             a.clear()
         c.clear()
         assert waiter.join() is not None
+
+
+def test_the_decode_gate_takes_its_pages_so_no_other_engine_can_take_them_before_the_alloc(
+        make_alloc: MakeAlloc, pool_name: str) -> None:
+    # SGLang checks the next decode (check_decode_capacity), then allocates it; an alloc's
+    # None there is fatal to SGLang ("Out of memory", the scheduler raises). Before, the
+    # gate only counted: another engine could take the pool's free memory in between.
+    Pool(pool_name, capacity=8 * PAGE)  # two tenants: 4 pages guaranteed each
+    a, b = make_alloc(1, pool=pool_name), make_alloc(1, pool=pool_name)
+    a.shortage_wait_s = b.shortage_wait_s = 0  # a refusal answers None at once
+    assert a.alloc(BLOCKS_PER_PAGE - 1) is not None  # page 0 full: no free slot on a's pages
+    free = 8 - 2  # pages: a's and b's page 0 are committed
+
+    def b_takes_every_free_page() -> Any:
+        got = b.alloc(free * BLOCKS_PER_PAGE)
+        assert got is not None
+        return got
+
+    assert a.decode_size() >= BLOCKS_PER_PAGE  # the gate as it was: it counts the pool's free memory
+    taken = b_takes_every_free_page()
+    assert a.alloc(BLOCKS_PER_PAGE) is None  # the race: SGLang's fatal None
+    b.free(taken)
+    b.flush()
+    b.flush()
+    committed = a.space.stats().committed_bytes
+    assert a.reserve(BLOCKS_PER_PAGE)  # the gate now takes the page it counted...
+    assert a.space.stats().committed_bytes == committed + PAGE and a.available_size() >= BLOCKS_PER_PAGE
+    free -= 1
+    taken = b_takes_every_free_page()
+    got = a.alloc(BLOCKS_PER_PAGE)  # ...so the alloc finds it
+    assert got is not None and a.space.stats().committed_bytes == committed + PAGE
+    assert a.reserve(0) and a.reserve(BLOCKS_PER_PAGE - 1) is False  # a full pool: SGLang retracts instead
+    before = S.state_of(a)
+    assert not a.reserve(1) and S.state_of(a) == before  # a miss changes nothing
+    b.free(taken)
+    b.flush()
+    b.flush()
+    assert a.reserve(2 * BLOCKS_PER_PAGE)  # not taken by an alloc: back to the space at the second flush
+    assert a.space.stats().committed_bytes == committed + 3 * PAGE
+    a.flush()
+    a.flush()
+    assert a.space.stats().committed_bytes == committed + PAGE
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="num_tokens"):
+            a.reserve(bad)  # type: ignore[arg-type]
+    a.close()
+    with pytest.raises(PoolClosed):
+        a.reserve(1)
+
+
+@pytest.mark.timeout(120)
+def test_a_lenders_decode_gate_takes_only_the_free_slots_of_its_pages(lending: Any) -> None:
+    a, waiter, x, y = lending
+    a.free(i64(x[:3]))
+    a.flush()
+    a.flush()  # 3 free slots on pages a still holds
+    committed = a.space.stats().committed_bytes
+    assert not a.reserve(4)  # more than its room: SGLang retracts (the pool grants a lender no page)
+    assert a.reserve(3) and a.space.stats().committed_bytes == committed  # its room, no page more
+    got = a.alloc(3)
+    assert got is not None and sorted(got.tolist()) == sorted(x[:3]) and a.decode_size() == 0

@@ -305,6 +305,7 @@ def a_lender_admits_nothing_drops_its_prefix_cache_and_decodes_into_its_held_pag
     alloc.flush()
     room = len(x) * PS
     assert alloc.check_decode_capacity(num_tokens=room, tree_cache=cache)
+    assert alloc.pending_pages().numel() * PS == room  # taken at the gate: no other engine can take them now
     assert not alloc.check_decode_capacity(num_tokens=room + PS, tree_cache=cache)
     assert budget.available_chunk_tokens(64) == min(64, room) and not budget.has_capacity()
     alloc.free(torch.cat(y))  # y finishes: the pages empty and go to the waiter
