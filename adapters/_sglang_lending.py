@@ -114,15 +114,13 @@ class LenderGates:
         if need <= 0:
             return True
         st = self.space.stats()
-        if st.budget.lending or st.budget.restoring:  # only the free slots of its pages (decode_size)
-            if need > st.room_blocks:
-                return False
-            pages = self.space.alloc(need, promised=True)  # best fit: those slots, no new page
-        else:
-            try:
-                pages = self.space.alloc(need)
-            except PoolExhausted:
-                return False
+        lends = st.budget.lending or st.budget.restoring
+        if lends and need > st.room_blocks:  # a lender gets only the free slots of its pages (decode_size)
+            return False
+        try:
+            pages = self.space.alloc(need, promised=lends)  # best fit: a lender's free slots, no new page
+        except PoolExhausted:
+            return False
         self._pages.reserve(np.asarray(pages, dtype=np.int64))
         return True
 

@@ -236,17 +236,18 @@ def _running(scheduler: Any) -> list[tuple[int, Any]]:
     chunked = getattr(scheduler, "chunked_req", None)
     if chunked is not None and all(r is not chunked for r in reqs):
         reqs.append(chunked)
+    reqs = [r for r in reqs if r.kv.req_pool_idx is not None and r.kv.kv_allocated_len > 0]
     if not reqs:
         return []
+    # One copy to the host for all of them (the table lives on SGLang's device).
+    rows = torch.tensor([r.kv.req_pool_idx for r in reqs], dtype=torch.int64)
     table = scheduler.req_to_token_pool.req_to_token
+    held = table[rows.to(table.device), : max(r.kv.kv_allocated_len for r in reqs)].cpu()
     out = []
-    for r in reqs:
-        row, held = r.kv.req_pool_idx, r.kv.kv_allocated_len
-        if row is None or held <= 0:
-            continue
+    for i, r in enumerate(reqs):
         cap = r.sampling_params.max_new_tokens
         left = (1 << 30) if r is chunked or cap is None else max(0, int(cap) - len(r.output_ids))
-        out.append((left, table[row, :held]))
+        out.append((left, held[i, : r.kv.kv_allocated_len]))
     return out
 
 
