@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from kvpool import InvalidBlocks, KVSpace, PoolExhausted
+from kvpool import InvalidBlocks, KVSpace, PoolClosed, PoolExhausted
 
 from ._reclaim import Reclaim, Running
-from ._sglang_pages import PageStates
+from ._sglang_pages import PageStates, host_ints
 
 __all__ = ["Freeing", "LenderGates"]
 
@@ -59,7 +59,7 @@ class Freeing:
         for steps_left, tokens in requests:
             if isinstance(steps_left, bool) or not isinstance(steps_left, (int, np.integer)) or steps_left < 0:
                 raise ValueError(f"steps left must be a non-negative int, got {steps_left!r}")
-            t = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens, dtype=np.int64).ravel()
+            t = host_ints(tokens, "token indices", InvalidBlocks)
             bad = (t < 0) | (t >= self.num_slots)
             if bad.any():
                 raise InvalidBlocks(f"token indices {t[bad][:8].tolist()} are outside [0, {self.num_slots})",
@@ -80,9 +80,12 @@ class LenderGates:
     page_size: int
     _pages: PageStates
     _freeing: Freeing
+    _closed: bool
 
     def _check_open(self) -> None:
-        raise NotImplementedError
+        """Every public method's first call: a closed allocator refuses, changing nothing."""
+        if self._closed:
+            raise PoolClosed("the SGLang allocator is closed")
 
     def decode_size(self) -> int:
         """Tokens the running requests' next decode can get: :meth:`available_size`

@@ -48,15 +48,17 @@ the space holds it and the allocator's range check refuses frees of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from kvpool import InvalidBlocks
 
-__all__ = ["AllocatorState", "PageStates"]
+__all__ = ["AllocatorState", "IntsLike", "PageStates", "host_ints"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,16 @@ class AllocatorState:
     generation: int
 
 Ids = npt.NDArray[np.int64]
+IntsLike = torch.Tensor | Sequence[int] | npt.NDArray[np.integer[Any]]
+
+
+def host_ints(x: IntsLike, name: str, error: type[Exception] = ValueError) -> Ids:
+    """A 1-D int64 numpy copy of host-side integers (a tensor comes to the CPU);
+    ``error`` (with ``name`` in its message) when they are not integers."""
+    arr = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise error(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.reshape(-1).astype(np.int64, copy=True)
 
 # Per-page state (the diagrams above).
 FREE, HELD, NEW, PENDING, KEPT = 0, 1, 2, 3, 4

@@ -86,29 +86,20 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvpool import Geometry, InvalidBlocks, KVSpace, MiB, Pool, PoolClosed, PoolExhausted
+from kvpool import Geometry, InvalidBlocks, KVSpace, MiB, Pool, PoolExhausted
 from kvpool.geometry import Layout
 from kvpool.pool import default_pool_name
 
 from ._sglang_lending import Freeing, LenderGates
-from ._sglang_pages import AllocatorState, PageStates
+from ._sglang_pages import AllocatorState, IntsLike, PageStates, host_ints
 from ._sglang_preemption import Preemptions
 from ._sglang_views import token_view
 
 __all__ = ["AllocatorState", "KVPoolTokenAllocator", "token_view"]
 
 Ids = npt.NDArray[np.int64]
-IntsLike = torch.Tensor | Sequence[int] | npt.NDArray[np.integer[Any]]
 
 _uids = itertools.count()
-
-
-def _ints(x: IntsLike, name: str, error: type[Exception] = ValueError) -> Ids:
-    """A 1-D int64 numpy copy of host-side integers (a tensor comes to the CPU)."""
-    arr = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
-    if arr.size and arr.dtype.kind not in "iu":
-        raise error(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr.reshape(-1).astype(np.int64, copy=True)
 
 
 class KVPoolTokenAllocator(LenderGates):
@@ -281,7 +272,7 @@ class KVPoolTokenAllocator(LenderGates):
         stays on its device.
         """
         self._check_open()
-        pre, seq = _ints(prefix_lens_cpu, "prefix_lens_cpu"), _ints(seq_lens_cpu, "seq_lens_cpu")
+        pre, seq = host_ints(prefix_lens_cpu, "prefix_lens_cpu"), host_ints(seq_lens_cpu, "seq_lens_cpu")
         if not len(pre) == len(seq) == len(last_loc) == len(prefix_lens) == len(seq_lens):
             raise ValueError(f"batch sizes differ: prefix_lens {len(prefix_lens)}, seq_lens {len(seq_lens)}, "
                              f"last_loc {len(last_loc)}")
@@ -296,7 +287,7 @@ class KVPoolTokenAllocator(LenderGates):
         """One slot per request whose length grows to ``seq_lens[i]``: an extend by one token
         (the slot after ``last_loc[i]``, or the first of a new page); ``None`` as ``alloc_extend``."""
         self._check_open()
-        seq = _ints(seq_lens_cpu, "seq_lens_cpu")
+        seq = host_ints(seq_lens_cpu, "seq_lens_cpu")
         if not len(seq) == len(last_loc) == len(seq_lens):
             raise ValueError(f"batch sizes differ: seq_lens {len(seq_lens)}, last_loc {len(last_loc)}")
         if (seq < 1).any():
@@ -320,7 +311,7 @@ class KVPoolTokenAllocator(LenderGates):
             raise ValueError(f"last_loc must hold integers, got dtype {last.dtype}")
         if self.debug:  # tokens on the prefix's partial page continue after last_loc
             partial = np.minimum(seq, first_new * ps) - pre > 0
-            self._check_last_loc(_ints(last, "last_loc")[partial], pre[partial])
+            self._check_last_loc(host_ints(last, "last_loc")[partial], pre[partial])
         pages = self._take(need)
         if pages is None:
             return None
@@ -416,7 +407,7 @@ class KVPoolTokenAllocator(LenderGates):
         for free_index, start_pos in segments:
             if start_pos % self.page_size:
                 raise ValueError(f"free_segment start {start_pos} is not aligned to page_size {self.page_size}")
-            parts.append(_ints(free_index, "token indices", InvalidBlocks))
+            parts.append(host_ints(free_index, "token indices", InvalidBlocks))
         self.free(np.concatenate(parts))
 
     def free_group_begin(self) -> None:
@@ -442,7 +433,7 @@ class KVPoolTokenAllocator(LenderGates):
 
     def _page_ids(self, free_index: IntsLike) -> Ids:
         """Validated unique page ids of a batch of token indices."""
-        tokens = _ints(free_index, "token indices", InvalidBlocks)
+        tokens = host_ints(free_index, "token indices", InvalidBlocks)
         if tokens.size == 0:
             return tokens
         ps, end = self.page_size, self._pages.state.size * self.page_size
@@ -528,10 +519,6 @@ class KVPoolTokenAllocator(LenderGates):
     # -- helpers and lifecycle ---------------------------------------------------
     def _to_device(self, ids: Ids) -> torch.Tensor:
         return torch.from_numpy(ids).to(self.device)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise PoolClosed("the SGLang allocator is closed")
 
     @property
     def closed(self) -> bool:

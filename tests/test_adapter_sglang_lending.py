@@ -182,7 +182,8 @@ def test_a_lending_sglang_engine_is_never_asked_to_preempt_and_its_completions_l
         assert c.space.budget().preempt_bytes == 0  # SGLang's completions cover all 3
         # Bad input raises and changes nothing.
         for bad, error in (([(-1, soon)], ValueError), ([(True, soon)], ValueError),
-                           ([(1, soon), (1, i64([0, 10_000]))], InvalidBlocks)):
+                           ([(1, soon), (1, i64([0, 10_000]))], InvalidBlocks),
+                           ([(1, soon.to(torch.float32))], InvalidBlocks)):  # indices, not values
             with pytest.raises(error):
                 a.publish_freeing(bad)
             assert a.space.budget().freeing_bytes == 8 * PAGE
