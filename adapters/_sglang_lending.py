@@ -3,8 +3,9 @@
 :class:`LenderGates` are :class:`~kvpool.adapters.sglang.KVPoolTokenAllocator`'s
 methods the plugin's gates call: what the next decode can get
 (``decode_size``), that decode's pages taken at SGLang's gate (``reserve``),
-whether the engine gives memory back now (``giving_back``), and what its
-completions free (``publish_freeing``).
+whether the engine gives memory back now (``giving_back``), what its
+completions free (``publish_freeing``), and which frees drop its prefix cache
+(``evicting``).
 
 While the engine gives memory back the pool grants it no new page: it admits
 nothing, drops its prefix cache, and its running requests decode into the
@@ -29,7 +30,8 @@ memory back). The arithmetic is the vLLM plugin's
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -38,6 +40,7 @@ from kvpool import InvalidBlocks, KVSpace, PoolClosed, PoolExhausted
 
 from ._reclaim import Reclaim, Running
 from ._sglang_pages import PageStates, host_ints
+from ._sglang_preemption import Preemptions
 
 __all__ = ["Freeing", "LenderGates"]
 
@@ -80,6 +83,7 @@ class LenderGates:
     page_size: int
     _pages: PageStates
     _freeing: Freeing
+    _preempted: Preemptions
     _closed: bool
 
     def _check_open(self) -> None:
@@ -139,6 +143,18 @@ class LenderGates:
         """Whether the space gives memory back (the budget alone: 6 us, where stats() takes 15)."""
         b = self.space.budget()
         return bool(b.lending or b.restoring)
+
+    @contextlib.contextmanager
+    def evicting(self) -> Iterator[None]:
+        """The frees inside drop SGLang's prefix cache (the plugin wraps its eviction while
+        the engine gives memory back): their pages reach the space as an eviction
+        (:meth:`kvpool.KVSpace.free_evicted`), counted as reclaimed by eviction, not by completion."""
+        self._check_open()
+        self._preempted.begin_eviction(int(self._pages.pending.size))
+        try:
+            yield
+        finally:
+            self._preempted.end_eviction(self._pages.pending)
 
     def publish_freeing(self, requests: Iterable[tuple[int, Any]]) -> int:
         """Publish, and return, the bytes this engine's running requests give back by completion

@@ -20,6 +20,12 @@ back (tried with a real server on 2026-12-07, docs/sglang.md "Lending").
 While it lends, SGLang retracts only when the free slots of the pages it
 holds run out (the allocator's ``decode_size``), and memory comes back by
 completion.
+
+Evictions the same way. While it lends the plugin drops SGLang's prefix
+cache (its finished requests' KV) and marks those frees too
+(:meth:`Preemptions.begin_eviction` / :meth:`Preemptions.end_eviction`):
+their pages reach the space with :meth:`kvpool.KVSpace.free_evicted`, counted
+as reclaimed by eviction, not as requests finishing.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ Ids = npt.NDArray[np.int64]
 
 
 class Preemptions:
-    """Pages a retraction freed, and its counts, until they reach the space."""
+    """Pages a retraction or an eviction freed, and the retractions' counts, until they reach the space."""
 
     def __init__(self, space: KVSpace, num_blocks: int) -> None:
         self.space = space
@@ -44,6 +50,9 @@ class Preemptions:
         self.requests = 0  # retracted requests whose pages are not yet back in the space
         self.tokens = 0
         self._pending_before: int | None = None
+        self.evicted = np.zeros(num_blocks, dtype=bool)  # freed by dropping the prefix cache
+        self.n_evicted = 0
+        self._evicting_from: int | None = None
 
     def begin(self, pending: int) -> None:
         """A retraction starts; ``pending``: how many pages are pending now."""
@@ -62,6 +71,20 @@ class Preemptions:
             self.requests += requests
             self.tokens += tokens
 
+    def begin_eviction(self, pending: int) -> None:
+        """The prefix cache is being dropped; ``pending``: how many pages are pending now."""
+        self._evicting_from = pending
+
+    def end_eviction(self, pending_pages: Ids) -> None:
+        """The frees since :meth:`begin_eviction` (the tail of ``pending_pages``) dropped cached KV."""
+        before, self._evicting_from = self._evicting_from, None
+        if before is None:
+            return
+        freed = pending_pages[before:]
+        freed = freed[~self.marked[freed]]  # a retraction's page stays a preemption
+        self.n_evicted += int(freed.size - self.evicted[freed].sum())
+        self.evicted[freed] = True
+
     def reused(self, pages: Ids) -> None:
         """Pages an alloc took (pending ones among them are no longer on their way back)."""
         if self.n_marked:  # only while a retraction's pages are on their way back
@@ -69,17 +92,25 @@ class Preemptions:
             self.marked[pages] = False
             if not self.n_marked:  # all taken back: nothing of it will reach the space
                 self.requests = self.tokens = 0
+        if self.n_evicted:
+            self.n_evicted -= int(self.evicted[pages].sum())
+            self.evicted[pages] = False
 
     def give_back(self, pages: Ids) -> None:
-        """Hand ``pages`` to the space: a retraction's as a preemption, the rest as plain frees."""
+        """Hand ``pages`` to the space: a retraction's as a preemption, an eviction's as an
+        eviction, the rest as plain frees."""
         mark = self.marked[pages] if self.n_marked else None
-        if mark is None or not mark.any():
+        if mark is not None and mark.any():
+            self.space.free_preempted(pages[mark], requests=max(1, self.requests), tokens=self.tokens)
+            self.marked[pages[mark]] = False
+            self.n_marked -= int(mark.sum())
+            self.requests = self.tokens = 0
+            pages = pages[~mark]
+        evicted = self.evicted[pages] if self.n_evicted else None
+        if evicted is not None and evicted.any():
+            self.space.free_evicted(pages[evicted])
+            self.evicted[pages[evicted]] = False
+            self.n_evicted -= int(evicted.sum())
+            pages = pages[~evicted]
+        if pages.size:
             self.space.free(pages)
-            return
-        self.space.free_preempted(pages[mark], requests=max(1, self.requests), tokens=self.tokens)
-        self.marked[pages[mark]] = False
-        self.n_marked -= int(mark.sum())
-        self.requests = self.tokens = 0
-        rest = pages[~mark]
-        if rest.size:
-            self.space.free(rest)

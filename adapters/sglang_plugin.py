@@ -47,7 +47,8 @@ What changes, in the scheduler process, at SGLang's own points:
 7. Lending (the allocator's ``giving_back()``, read once per iteration and
    by the gates below): while the pool asks this engine for memory back,
    ``ingest_requests`` also evicts SGLang's whole prefix cache (finished
-   requests' KV would keep pages from emptying), the allocator's
+   requests' KV would keep pages from emptying; its pages reach the space
+   as an eviction, ``reclaimed_by_eviction_bytes``), the allocator's
    ``create_prefill_budget`` admits nothing (a chunked prefill in progress
    continues only into the held pages' free slots), and its
    ``check_decode_capacity`` (SGLang's decode gate, which its retraction
@@ -222,7 +223,8 @@ def _ingest_requests(original: Callable[..., Any], scheduler: Any, *args: Any, *
     if allocator is not None:
         allocator.flush()
         if allocator.giving_back():
-            _drop_prefix_cache(getattr(scheduler, "tree_cache", None))
+            with allocator.evicting():  # counted as reclaimed by eviction
+                _drop_prefix_cache(getattr(scheduler, "tree_cache", None))
             allocator.publish_freeing(_running(scheduler))
         else:
             allocator.publish_freeing(())  # 0 (republished only when it was not)

@@ -145,6 +145,14 @@ class _LimitsMixin:
         self._log.info("budget.preempted", requests=int(requests), tokens=int(tokens))
         self._after_free()
 
+    def free_evicted(self, blocks: Any) -> None:
+        """Free cached blocks this engine drops, a prefix cache's entries
+        (:meth:`kvpool.KVSpace.free_evicted`: while lending, reclaimed by eviction)."""
+        if self._closed:
+            raise PoolClosed(f"manager {self.name!r} is closed")
+        self.space.free_evicted(blocks)
+        self._after_free()
+
     def _after_free(self) -> None:
         raise NotImplementedError
 

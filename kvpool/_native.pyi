@@ -90,6 +90,9 @@ class BudgetFigures:
     def reclaimed_by_preemption_bytes(self) -> int: ...
 
     @property
+    def reclaimed_by_eviction_bytes(self) -> int: ...
+
+    @property
     def pool_capacity(self) -> int: ...
 
 class SpaceStats:
@@ -271,6 +274,9 @@ class TenantRow:
 
     @property
     def reclaimed_preemption(self) -> int: ...
+
+    @property
+    def reclaimed_eviction(self) -> int: ...
 
     @property
     def limit(self) -> int: ...
@@ -528,6 +534,11 @@ class Space:
     def free_preempted(self, ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], requests: int, tokens: int) -> object:
         """
         Free the blocks of `requests` preempted requests with `tokens` to recompute, counted as reclaimed by preemption (budget.hpp, rule 6): None, or a Failure (nothing freed).
+        """
+
+    def free_evicted(self, ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> object:
+        """
+        Free cached blocks the engine drops (a prefix cache's), counted while lending as reclaimed by eviction (budget.hpp, rule 6): None, or a Failure (nothing freed).
         """
 
     @property

@@ -43,7 +43,9 @@ class BudgetStats:
     ``requests_preempted``, ``tokens_recomputed`` (their prompt and
     generated tokens, prefilled again), and the block bytes it gave back
     while lending, ``reclaimed_by_completion_bytes`` (requests that
-    finished) and ``reclaimed_by_preemption_bytes``. ``preempts`` is false
+    finished), ``reclaimed_by_preemption_bytes`` and
+    ``reclaimed_by_eviction_bytes`` (cached blocks it dropped,
+    :meth:`KVSpace.free_evicted`: a prefix cache's). ``preempts`` is false
     for a tenant whose engine never acts on the verdict
     (:meth:`KVSpace.set_preempts`): it is never asked (``preempt_bytes``
     stays 0) and the other lenders are asked its share.
@@ -70,6 +72,7 @@ class BudgetStats:
     tokens_recomputed: int = 0
     reclaimed_by_completion_bytes: int = 0
     reclaimed_by_preemption_bytes: int = 0
+    reclaimed_by_eviction_bytes: int = 0
     preempts: bool = True
 
     @classmethod
@@ -87,7 +90,7 @@ class BudgetStats:
             tokens_recomputed=int(b.tokens_recomputed),
             reclaimed_by_completion_bytes=int(b.reclaimed_by_completion_bytes),
             reclaimed_by_preemption_bytes=int(b.reclaimed_by_preemption_bytes),
-            preempts=bool(b.preempts),
+            reclaimed_by_eviction_bytes=int(b.reclaimed_by_eviction_bytes), preempts=bool(b.preempts),
         )
 
 

@@ -89,6 +89,8 @@ TENANT_METRICS: tuple[Figure, ...] = (
            "as its requests finished.", "reclaimed_by_completion_bytes", "counter"),
     Figure("kvpool_tenant_reclaimed_by_preemption_bytes_total", "Block bytes the tenant gave back by preempting "
            "requests.", "reclaimed_by_preemption_bytes", "counter"),
+    Figure("kvpool_tenant_reclaimed_by_eviction_bytes_total", "Block bytes of cached blocks (a prefix cache's) "
+           "the tenant dropped while lending.", "reclaimed_by_eviction_bytes", "counter"),
 )
 
 POOL_METRICS: tuple[Figure, ...] = (

@@ -260,6 +260,7 @@ class TenantInfo:
     tokens_recomputed: int = 0     # prompt and generated tokens of preempted requests (monotonic)
     reclaimed_by_completion_bytes: int = 0  # block bytes given back while lending by requests finishing
     reclaimed_by_preemption_bytes: int = 0  # block bytes given back by preemption
+    reclaimed_by_eviction_bytes: int = 0  # block bytes of cached blocks dropped while lending (a prefix cache)
     preempts: bool = True          # its engine acts on the verdict (False: by completion only, never asked)
 
 
@@ -365,7 +366,8 @@ class Pool:
                 allocs=r.allocs, shortages=r.shortages, freeing_bytes=r.freeing, preempt_bytes=r.preempt_bytes,
                 preemptions_asked=r.preempt_asked, requests_preempted=r.preempted,
                 tokens_recomputed=r.recomputed_tokens, reclaimed_by_completion_bytes=r.reclaimed_completion,
-                reclaimed_by_preemption_bytes=r.reclaimed_preemption, preempts=bool(r.preempts),
+                reclaimed_by_preemption_bytes=r.reclaimed_preemption,
+                reclaimed_by_eviction_bytes=r.reclaimed_eviction, preempts=bool(r.preempts),
             ))
         # The total is the sum of these rows (claims in flight, counted by
         # the ledger's judges, are in neither).

@@ -390,6 +390,15 @@ class KVSpace(_SpaceFace):
         if isinstance(r, _core.native.Failure):  # None: freed
             _core.raise_failure(r, ids=True)
 
+    def free_evicted(self, blocks: Iterable[int] | BlockIds | torch.Tensor) -> None:
+        """Free cached blocks the engine drops (a prefix cache's entries), counted while it lends
+        as memory reclaimed by eviction (:class:`BudgetStats`), not by completion. A bad id
+        raises :class:`InvalidBlocks` and frees nothing."""
+        self._check_open()
+        r = self._space.free_evicted(V.block_ids(blocks))
+        if isinstance(r, _core.native.Failure):  # None: freed
+            _core.raise_failure(r, ids=True)
+
     def max_blocks(self) -> int:
         """The most blocks this tenant can ever hold; larger allocs raise :class:`RequestTooLarge`."""
         self._check_open()

@@ -254,7 +254,7 @@ void Space::hand_out_locked(int64_t n, int64_t* out) {
 // ------------------------------------------------------------------- free
 
 Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int64_t* released, int64_t* available,
-                   bool nonblocking, bool* release_due, int64_t preempted, int64_t tokens) {
+                   bool nonblocking, bool* release_due, int64_t preempted, int64_t tokens, bool evicted) {
     if (released) *released = 0;
     if (available) *available = 0;
     if (release_due) *release_due = false;
@@ -286,9 +286,10 @@ Status Space::free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int
     const bool emptied = table_.give_back_batch(ids, static_cast<size_t>(n));
     used_ -= n;
     ++counters_.frees;
-    // Rule 6's counters: what a lender gives back, by completion or by
-    // preemption (the verdict in force, not re-judged on the hot path).
-    if (preempted > 0 || budget_.lending()) budget_.count_freed(n * cfg_.block_bytes * cfg_.num_regions, preempted, tokens);
+    // Rule 6's counters: what a lender gives back, by completion, by
+    // preemption or by eviction (the verdict in force, not re-judged on the hot path).
+    if (preempted > 0 || budget_.lending())
+        budget_.count_freed(n * cfg_.block_bytes * cfg_.num_regions, preempted, tokens, evicted);
     commit_retry_at_ = {};  // memory came back: a failed refill may work now
     refresh_budget_locked();
     if (cfg_.reserve_thread) {

@@ -84,6 +84,7 @@ NB_MODULE(_native, m) {
         .def_ro("tokens_recomputed", &kvpool::BudgetFigures::tokens_recomputed)
         .def_ro("reclaimed_by_completion_bytes", &kvpool::BudgetFigures::reclaimed_by_completion_bytes)
         .def_ro("reclaimed_by_preemption_bytes", &kvpool::BudgetFigures::reclaimed_by_preemption_bytes)
+        .def_ro("reclaimed_by_eviction_bytes", &kvpool::BudgetFigures::reclaimed_by_eviction_bytes)
         .def_ro("pool_capacity", &kvpool::BudgetFigures::pool_capacity);
 
     nb::class_<kvpool::SpaceStats>(m, "SpaceStats", "A consistent snapshot of one space (taken under its lock).")
@@ -148,6 +149,7 @@ NB_MODULE(_native, m) {
         .def_ro("recomputed_tokens", &kvpool::TenantRow::recomputed_tokens)
         .def_ro("reclaimed_completion", &kvpool::TenantRow::reclaimed_completion)
         .def_ro("reclaimed_preemption", &kvpool::TenantRow::reclaimed_preemption)
+        .def_ro("reclaimed_eviction", &kvpool::TenantRow::reclaimed_eviction)
         .def_ro("limit", &kvpool::TenantRow::limit)
         .def_ro("limit_revision", &kvpool::TenantRow::limit_revision)
         .def_ro("guarantee", &kvpool::TenantRow::guarantee)

@@ -237,7 +237,24 @@ void bind_space_figures(nb::class_<Space>& cls) {
             },
             "ids"_a, "requests"_a, "tokens"_a,
             "Free the blocks of `requests` preempted requests with `tokens` to recompute, counted as "
-            "reclaimed by preemption (budget.hpp, rule 6): None, or a Failure (nothing freed).");
+            "reclaimed by preemption (budget.hpp, rule 6): None, or a Failure (nothing freed).")
+        .def(
+            "free_evicted",
+            [](Space& s, IdInput ids) -> nb::object {
+                std::vector<int64_t> bad;
+                Status st;
+                {
+                    // Blocking path: the core validates and frees its own copy of the ids.
+                    nb::gil_scoped_release nogil;
+                    st = s.free(ids.data(), static_cast<int64_t>(ids.shape(0)), &bad, nullptr, nullptr, false,
+                                nullptr, 0, 0, true);
+                }
+                if (st.is_ok()) return nb::none();
+                return nb::cast(Failure{static_cast<int>(st.code), std::move(st.message), 0, 0, std::move(bad)});
+            },
+            "ids"_a,
+            "Free cached blocks the engine drops (a prefix cache's), counted while lending as reclaimed by "
+            "eviction (budget.hpp, rule 6): None, or a Failure (nothing freed).");
 }
 
 // Space: its memory (regions, fds) and lifecycle (settle, close).

@@ -158,7 +158,7 @@ int64_t Budget::judge_preempt() {
     return v;
 }
 
-void Budget::count_freed(int64_t bytes, int64_t requests, int64_t tokens) {
+void Budget::count_freed(int64_t bytes, int64_t requests, int64_t tokens, bool evicted) {
     if (requests > 0) {
         const bool asked = preempt_bytes_ > 0;
         preempt_asked_ += asked;
@@ -168,6 +168,9 @@ void Budget::count_freed(int64_t bytes, int64_t requests, int64_t tokens) {
         if (ledger_)
             ledger_->count_preemption(slot_, asked, static_cast<uint64_t>(requests), static_cast<uint64_t>(tokens),
                                       static_cast<uint64_t>(bytes));
+    } else if (lending_ && evicted) {
+        reclaimed_eviction_ += bytes;
+        if (ledger_) ledger_->count_reclaimed_eviction(slot_, static_cast<uint64_t>(bytes));
     } else if (lending_) {
         reclaimed_completion_ += bytes;
         if (ledger_) ledger_->count_reclaimed_completion(slot_, static_cast<uint64_t>(bytes));
@@ -395,6 +398,7 @@ BudgetFigures Budget::figures() const {
     f.tokens_recomputed = recomputed_;
     f.reclaimed_by_completion_bytes = reclaimed_completion_;
     f.reclaimed_by_preemption_bytes = reclaimed_preemption_;
+    f.reclaimed_by_eviction_bytes = reclaimed_eviction_;
     return f;
 }
 

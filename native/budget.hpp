@@ -92,6 +92,7 @@ struct BudgetFigures {
     int64_t tokens_recomputed = 0;   // of the preempted requests: prompt and generated tokens to prefill again
     int64_t reclaimed_by_completion_bytes = 0;  // block bytes freed while lending, by requests finishing
     int64_t reclaimed_by_preemption_bytes = 0;  // block bytes freed by preemption
+    int64_t reclaimed_by_eviction_bytes = 0;    // block bytes freed while lending, cached blocks dropped
 };
 
 class Budget {
@@ -174,9 +175,10 @@ public:
     int64_t judge_preempt();
     int64_t preempt_bytes() const { return preempt_bytes_; }
     // Blocks freed: `bytes` of them by a preemption of `requests` requests
-    // with `tokens` to recompute (requests > 0), or by completions (counted
-    // only while lending: memory the pool reclaims).
-    void count_freed(int64_t bytes, int64_t requests, int64_t tokens);
+    // with `tokens` to recompute (requests > 0), else, counted only while
+    // lending (memory the pool reclaims), cached blocks dropped (`evicted`)
+    // or by completions.
+    void count_freed(int64_t bytes, int64_t requests, int64_t tokens, bool evicted = false);
 
 private:
     void judge(const LedgerSnapshot& s);  // updates guarantee_, starving_, lending_
@@ -208,7 +210,7 @@ private:
     bool preempts_ = true;
     int64_t preempt_bytes_ = 0;
     int64_t preempt_asked_ = 0, preempted_ = 0, recomputed_ = 0;
-    int64_t reclaimed_completion_ = 0, reclaimed_preemption_ = 0;
+    int64_t reclaimed_completion_ = 0, reclaimed_preemption_ = 0, reclaimed_eviction_ = 0;
 };
 
 }  // namespace kvpool

@@ -231,6 +231,7 @@ LedgerSnapshot Ledger::snapshot(bool names) const {
         r.recomputed_tokens = t.recomputed_tokens.load(std::memory_order_relaxed);
         r.reclaimed_completion = t.reclaimed_completion.load(std::memory_order_relaxed);
         r.reclaimed_preemption = t.reclaimed_preemption.load(std::memory_order_relaxed);
+        r.reclaimed_eviction = t.reclaimed_eviction.load(std::memory_order_relaxed);
         // A writer stopped inside the seqlock: use what is there (a torn
         // setting misjudges one tenant's share; waiting forever is worse).
         if (!read_settings(i, &r.limit, &r.limit_revision, &r.guarantee, &r.guarantee_revision)) {

@@ -53,8 +53,9 @@ namespace kvpool {
 
 constexpr uint64_t kLedgerMagic = 0x4b56504f4f4c4c34ULL;  // "KVPOOLL4"
 // 3: allocs and shortages per slot; 4: headroom, keep_free; 5: a live tenant
-// holds its slot's lock (a build without it would be reaped as dead by one with it).
-constexpr uint32_t kLedgerVersion = 5;
+// holds its slot's lock (a build without it would be reaped as dead by one with it);
+// 6: reclaimed_eviction per slot.
+constexpr uint32_t kLedgerVersion = 6;
 constexpr int kMaxTenants = 64;
 constexpr int kMaxNameLen = 64;             // pool and tenant names: [A-Za-z0-9][A-Za-z0-9._-]{0,63}
 constexpr int kNameBytes = 72;              // stored NUL-terminated
@@ -112,7 +113,8 @@ struct TenantSlot {
     // `preempt_bytes`, what it is asked to preempt now (0: reclaim by
     // completion only); verdicts with preempt_bytes > 0 its engine acted on,
     // requests it preempted, their tokens to recompute, and bytes it gave
-    // back while lending by completion and by preemption. Monotonic, relaxed.
+    // back while lending by completion, by preemption and by evicting cached
+    // blocks (a prefix cache's). Monotonic, relaxed.
     std::atomic<int64_t> freeing;
     std::atomic<int64_t> preempt_bytes;
     std::atomic<uint64_t> preempt_asked;
@@ -120,6 +122,7 @@ struct TenantSlot {
     std::atomic<uint64_t> recomputed_tokens;
     std::atomic<uint64_t> reclaimed_completion;
     std::atomic<uint64_t> reclaimed_preemption;
+    std::atomic<uint64_t> reclaimed_eviction;
     SlotSettings settings;
 };
 
@@ -158,6 +161,7 @@ struct TenantRow {
     bool preempts = true;                    // owner-published (TenantSlot::no_preempt == 0)
     uint64_t preempt_asked = 0, preempted = 0, recomputed_tokens = 0;  // owner-counted (TenantSlot)
     uint64_t reclaimed_completion = 0, reclaimed_preemption = 0;       // bytes given back while lending
+    uint64_t reclaimed_eviction = 0;  // of them, cached blocks dropped (a prefix cache's)
     int64_t limit = -1, limit_revision = 0, guarantee = -1, guarantee_revision = 0;
 };
 
@@ -231,6 +235,9 @@ public:
     }
     void count_reclaimed_completion(int slot, uint64_t bytes) {
         hdr_->tenants[slot].reclaimed_completion.fetch_add(bytes, std::memory_order_relaxed);
+    }
+    void count_reclaimed_eviction(int slot, uint64_t bytes) {
+        hdr_->tenants[slot].reclaimed_eviction.fetch_add(bytes, std::memory_order_relaxed);
     }
     // One alloc answered (granted, or refused: a shortage or beyond what the
     // tenant can ever hold). The hot path: one relaxed add on the owner's

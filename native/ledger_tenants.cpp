@@ -148,6 +148,7 @@ static void clear_figures(TenantSlot& t) {
     t.recomputed_tokens.store(0);
     t.reclaimed_completion.store(0);
     t.reclaimed_preemption.store(0);
+    t.reclaimed_eviction.store(0);
 }
 
 Status Ledger::guarantee_fits(int64_t extra, bool published) const {

@@ -122,10 +122,11 @@ public:
     // without a reserve thread no inline release: *release_due says pages
     // are due to go back, which release_inline() (GIL released) then does.
     // `preempted` (> 0): the ids are those of that many requests preempted,
-    // with `tokens` to recompute (budget.hpp, rule 6: counted as such).
+    // with `tokens` to recompute (budget.hpp, rule 6: counted as such);
+    // `evicted`: cached blocks the engine drops (counted as such while lending).
     Status free(const int64_t* ids, int64_t n, std::vector<int64_t>* bad, int64_t* released = nullptr,
                 int64_t* available = nullptr, bool nonblocking = false, bool* release_due = nullptr,
-                int64_t preempted = 0, int64_t tokens = 0);
+                int64_t preempted = 0, int64_t tokens = 0, bool evicted = false);
     // Without a reserve thread: release the idle pages due to go back; returns how many.
     int64_t release_inline();
     int64_t available();

@@ -1,8 +1,8 @@
 """The pool ledger's byte layout, mirrored from native/ledger.hpp with ctypes
 (not collected: a helper for the hostile tests that write a segment by hand).
 
-    offset 0                                                       18472
-    | header (40 B) | slot 0 (288 B) | slot 1 | ... | slot 63 |
+    offset 0                                                       18984
+    | header (40 B) | slot 0 (296 B) | slot 1 | ... | slot 63 |
       magic u64, version u32, header_bytes u32, capacity i64,
       generation u32, pad u32, tickets u64
 
@@ -11,7 +11,7 @@
           reserve_pages | lending i32 | no_preempt i32 | judged_revision | headroom | keep_free |
           allocs u64 | shortages u64 | freeing | preempt_bytes | preempt_asked u64 |
           preempted u64 | recomputed_tokens u64 | reclaimed_completion u64 | reclaimed_preemption u64 |
-          settings: seq u64, limit,
+          reclaimed_eviction u64 | settings: seq u64, limit,
           limit_revision, guarantee, guarantee_revision
 
 `check(path)` proves the mirror against a real segment (its size and header
@@ -44,7 +44,7 @@ class TenantSlot(ctypes.Structure):
                 ("freeing", ctypes.c_int64), ("preempt_bytes", ctypes.c_int64),
                 ("preempt_asked", ctypes.c_uint64), ("preempted", ctypes.c_uint64),
                 ("recomputed_tokens", ctypes.c_uint64), ("reclaimed_completion", ctypes.c_uint64),
-                ("reclaimed_preemption", ctypes.c_uint64),
+                ("reclaimed_preemption", ctypes.c_uint64), ("reclaimed_eviction", ctypes.c_uint64),
                 ("settings", SlotSettings)]
 
 
@@ -78,7 +78,7 @@ def check(pool: str) -> None:
     assert size == ctypes.sizeof(LedgerHeader), (
         f"ledger.hpp changed: the segment is {size} bytes, this mirror {ctypes.sizeof(LedgerHeader)}")
     h = read(pool)
-    assert h.magic == 0x4B56504F4F4C4C34 and h.version == 5 and h.header_bytes == size, "ledger.hpp changed"
+    assert h.magic == 0x4B56504F4F4C4C34 and h.version == 6 and h.header_bytes == size, "ledger.hpp changed"
 
 
 def slot_of(pool: str, tenant: str) -> int:

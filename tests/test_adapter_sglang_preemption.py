@@ -93,6 +93,40 @@ def test_a_lending_sglang_engines_retraction_reaches_the_pool_as_a_preemption(le
     assert (row.requests_preempted, row.reclaimed_by_preemption_bytes) == (1, PAGE)
 
 
+@pytest.mark.timeout(120)
+def test_a_lending_sglang_engines_dropped_prefix_cache_reaches_the_pool_as_an_eviction(lending: Any) -> None:
+    a, waiter, running = lending
+    a.flush()
+    assert a.space.budget().lending
+    with a.evicting():  # the plugin wraps its drop of SGLang's prefix cache
+        a.free(running.pop())  # a finished request's cached KV
+    a.begin_preemption()
+    retracted = running.pop()
+    a.free(retracted)
+    a.end_preemption(1, 10)
+    with a.evicting():
+        a.free(running.pop())  # a second one
+    # Pending pages are reused first, oldest first: SGLang takes the first evicted page back
+    # before it reaches the space, so only the second counts (and this one, freed later, completes).
+    again = a.alloc(BLOCKS_PER_PAGE)
+    assert again is not None
+    a.flush()
+    a.flush()  # the evicted and the retracted pages reach the space, each as what it was
+    c = a.space.budget()
+    assert (c.reclaimed_by_eviction_bytes, c.reclaimed_by_preemption_bytes, c.reclaimed_by_completion_bytes) == (
+        PAGE, PAGE, 0), c
+    for r in [*running[1:], again]:  # the rest complete
+        a.free(r)
+    a.flush()
+    a.flush()
+    assert waiter.join() is not None
+    c = a.space.budget()
+    assert c.reclaimed_by_eviction_bytes == PAGE and c.reclaimed_by_completion_bytes >= PAGE
+    assert a.space.pool is not None
+    row = next(t for t in a.space.pool.tenants() if t.name == a.space.name)
+    assert (row.reclaimed_by_eviction_bytes, row.reclaimed_by_preemption_bytes) == (PAGE, PAGE)
+
+
 def test_a_retracted_page_sglang_takes_back_before_it_reaches_the_space_is_not_counted(
         make_alloc: MakeAlloc) -> None:
     a = make_alloc(1)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool import Geometry, KVCacheManager, Pool, PoolClosed
+from kvpool import Geometry, InvalidBlocks, KVCacheManager, Pool, PoolClosed
 from kvpool.demo import sched as demo_sched
 from kvpool.demo.clock import RealClock
 from kvpool.demo.sched import Running, Scheduler
@@ -178,6 +178,41 @@ def test_a_lender_counts_what_it_gives_back_by_completion_and_by_preemption(pool
         assert (row.preemptions_asked, row.requests_preempted, row.tokens_recomputed) == (1, 1, 40)
         assert (row.reclaimed_by_completion_bytes, row.reclaimed_by_preemption_bytes) == (8 * 512, 8 * 512)
         await a.aclose()
+        await b.aclose()
+
+    asyncio.run(main())
+
+
+def test_cached_blocks_a_lender_drops_count_as_reclaimed_by_eviction_not_by_completion(pool_name: str) -> None:
+    Pool(pool_name, capacity=8 * PAGE)
+
+    async def main() -> None:
+        a, b = _manager(pool_name, "a"), _manager(pool_name, "b")
+        held = _pages(a, 7)
+        a.free_evicted(held.pop())  # not lending yet: nothing is reclaimed, nothing counted
+        held.append(a.alloc_nowait(8))
+        waiter = await _wait_queued(b, b.alloc(24))
+        assert a.budget().lending
+        a.free_evicted(held.pop())  # a prefix cache's entry goes back
+        a.free(held.pop())          # a request finishes
+        # Bad input raises, frees nothing and counts nothing.
+        for bad in ([held[0][0], held[0][0]], [10**6], [held[0][0], 10**6]):
+            with pytest.raises(InvalidBlocks):
+                a.free_evicted(bad)
+        assert a.stats().used_blocks == 5 * 8
+        b.poll()
+        assert len(await waiter) == 24
+        got = a.budget()
+        assert (got.reclaimed_by_eviction_bytes, got.reclaimed_by_completion_bytes) == (8 * 512, 8 * 512)
+        assert (got.reclaimed_by_preemption_bytes, got.requests_preempted) == (0, 0)
+        assert a.space.pool is not None
+        row = next(t for t in a.space.pool.tenants() if t.name == "a")
+        assert (row.reclaimed_by_eviction_bytes, row.reclaimed_by_completion_bytes) == (8 * 512, 8 * 512)
+        await a.aclose()
+        with pytest.raises(PoolClosed):
+            a.free_evicted(held[0])
+        with pytest.raises(PoolClosed):
+            a.space.free_evicted(held[0])
         await b.aclose()
 
     asyncio.run(main())

@@ -515,17 +515,23 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             queue.reported_waiting = waiting
 
     def _release_evictable(self, blocks: list[Any]) -> None:
-        """Drop cached contents and give the blocks back to the space."""
+        """Drop cached contents and give the blocks back to the space: the prefix
+        cache's as an eviction (while lending, reclaimed by eviction, not by completion)."""
         if not blocks:
             return
         if self._reuse_watchers:
             self._notify_reuse([b for b in blocks if b.block_id in self._reuse_watchers])
         ids = np.empty(len(blocks), dtype=np.int64)
+        cached = np.zeros(len(blocks), dtype=bool)
         for k, block in enumerate(blocks):
             self._evictable.pop(block.block_id)
+            cached[k] = block.block_hash is not None
             self._maybe_evict_cached_block(block)
             ids[k] = block.block_id
-        self.space.free(ids)
+        if cached.any():
+            self.space.free_evicted(ids[cached])
+        if not cached.all():
+            self.space.free(ids[~cached])
 
     def reclaim_pages(self, max_pages: int) -> int:
         """Evict the cached blocks of up to ``max_pages`` pages that hold

@@ -298,6 +298,8 @@ def a_lender_admits_nothing_drops_its_prefix_cache_and_decodes_into_its_held_pag
     assert isinstance(budget, PrefillBudget) and not budget.has_capacity()  # admits nothing
     alloc.flush()
     alloc.flush()  # the evicted page went back: x and y still hold every slot of their pages
+    b = alloc.space.budget()  # as an eviction (one SGLang page: a kvpool block), not a completion
+    assert (b.reclaimed_by_eviction_bytes, b.reclaimed_by_completion_bytes) == (commit // 8, 0), b
     assert not alloc.check_decode_capacity(num_tokens=PS, tree_cache=cache)
     assert budget.available_chunk_tokens(64) is None  # a chunk in progress waits too
     alloc.free(torch.cat(x))  # x finishes: its slots become room on pages y still holds

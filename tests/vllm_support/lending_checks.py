@@ -33,6 +33,9 @@ def a_borrower_gives_cached_pages_back_while_a_tenant_below_its_guarantee_waits(
             assert p.lending and p.space.budget().lending
             # One page back, what the waiter wants (the oldest whole cached page).
             assert p.num_evictable_blocks == held - PER_PAGE
+            # Counted as the cache's eviction, not as requests finishing.
+            b = p.space.budget()
+            assert (b.reclaimed_by_eviction_bytes, b.reclaimed_by_completion_bytes) == (PER_PAGE * BLOCK, 0), b
             assert p.get_num_free_blocks() == 0  # vLLM sees a full cache: it preempts
             assert len(other.alloc(PER_PAGE)) == PER_PAGE  # granted
             other.report_waiting(0)
