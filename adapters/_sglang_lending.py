@@ -150,11 +150,11 @@ class LenderGates:
         the engine gives memory back): their pages reach the space as an eviction
         (:meth:`kvpool.KVSpace.free_evicted`), counted as reclaimed by eviction, not by completion."""
         self._check_open()
-        self._preempted.begin_eviction(int(self._pages.pending.size))
+        self._preempted.evicting += 1  # (nested: the outermost ends it)
         try:
             yield
         finally:
-            self._preempted.end_eviction(self._pages.pending)
+            self._preempted.evicting -= 1
 
     def publish_freeing(self, requests: Iterable[tuple[int, Any]]) -> int:
         """Publish, and return, the bytes this engine's running requests give back by completion

@@ -145,18 +145,21 @@ class PageStates:
         self.backup_live = True
         return self.generation
 
-    def restore(self, generation: int) -> None:
-        """Put back the pages held at backup ``generation`` and end it; ``ValueError`` if it is not live."""
+    def restore(self, generation: int) -> Ids:
+        """Put back the pages held at backup ``generation`` and end it; ``ValueError`` if it is not live.
+        Returns the pending pages held again."""
         if not self.backup_live or generation != self.generation:
             raise ValueError(f"backup {generation} is no longer restorable: it was restored already, or a "
                              "later backup_state(), flush() or clear() ended it (a backup is restored at most once)")
-        self.end_backup(restore=True)
+        return self.end_backup(restore=True)
 
-    def end_backup(self, restore: bool = False) -> None:
-        """Turn the live backup's marks into plain states (the table in the module essay)."""
+    def end_backup(self, restore: bool = False) -> Ids:
+        """Turn the live backup's marks into plain states (the table in the module essay);
+        returns the pending pages a restore holds again."""
         if not self.backup_live:
-            return
+            return np.empty(0, dtype=np.int64)
         kept = self.state[self.pending] == KEPT
+        back = self.pending[kept] if restore else np.empty(0, dtype=np.int64)
         assert not kept[: self.aged].any(), "kept pages are young: a flush ends the backup before aging"
         since = np.unique(np.concatenate(self.since)) if self.since else np.empty(0, dtype=np.int64)
         new = since[self.state[since] == NEW]
@@ -169,6 +172,7 @@ class PageStates:
             self.state[new] = HELD
         self.since = []
         self.backup_live = False
+        return back
 
     def flush(self, give_back: Callable[[Ids], None]) -> int:
         """End a live backup, hand ``give_back`` the pages already pending at the

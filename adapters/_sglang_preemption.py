@@ -22,10 +22,11 @@ holds run out (the allocator's ``decode_size``), and memory comes back by
 completion.
 
 Evictions the same way. While it lends the plugin drops SGLang's prefix
-cache (its finished requests' KV) and marks those frees too
-(:meth:`Preemptions.begin_eviction` / :meth:`Preemptions.end_eviction`):
+cache (its finished requests' KV) inside the allocator's ``evicting()``,
+which marks each page freed meanwhile as it is freed (:meth:`Preemptions.freed`):
 their pages reach the space with :meth:`kvpool.KVSpace.free_evicted`, counted
-as reclaimed by eviction, not as requests finishing.
+as reclaimed by eviction, not as requests finishing. A page SGLang holds again
+before it reaches the space (an alloc, a ``restore_state``) loses its marks.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Preemptions:
         self._pending_before: int | None = None
         self.evicted = np.zeros(num_blocks, dtype=bool)  # freed by dropping the prefix cache
         self.n_evicted = 0
-        self._evicting_from: int | None = None
+        self.evicting = 0  # depth of open evictions: frees now are a cache's
 
     def begin(self, pending: int) -> None:
         """A retraction starts; ``pending``: how many pages are pending now."""
@@ -71,19 +72,12 @@ class Preemptions:
             self.requests += requests
             self.tokens += tokens
 
-    def begin_eviction(self, pending: int) -> None:
-        """The prefix cache is being dropped; ``pending``: how many pages are pending now."""
-        self._evicting_from = pending
-
-    def end_eviction(self, pending_pages: Ids) -> None:
-        """The frees since :meth:`begin_eviction` (the tail of ``pending_pages``) dropped cached KV."""
-        before, self._evicting_from = self._evicting_from, None
-        if before is None:
-            return
-        freed = pending_pages[before:]
-        freed = freed[~self.marked[freed]]  # a retraction's page stays a preemption
-        self.n_evicted += int(freed.size - self.evicted[freed].sum())
-        self.evicted[freed] = True
+    def freed(self, pages: Ids) -> None:
+        """Pages SGLang just freed (pending now): a cache's while an eviction is open."""
+        if self.evicting:
+            pages = pages[~self.marked[pages] & ~self.evicted[pages]]
+            self.n_evicted += int(pages.size)
+            self.evicted[pages] = True
 
     def reused(self, pages: Ids) -> None:
         """Pages an alloc took (pending ones among them are no longer on their way back)."""
@@ -104,6 +98,7 @@ class Preemptions:
             self.space.free_preempted(pages[mark], requests=max(1, self.requests), tokens=self.tokens)
             self.marked[pages[mark]] = False
             self.n_marked -= int(mark.sum())
+            self.reused(pages[mark])  # (an eviction mark too: the page is back in the space)
             self.requests = self.tokens = 0
             pages = pages[~mark]
         evicted = self.evicted[pages] if self.n_evicted else None

@@ -456,6 +456,7 @@ class KVPoolTokenAllocator(LenderGates):
     def _free_pages(self, pages: Ids) -> None:
         """Make unique pages SGLang holds pending (kept, if held at the live backup)."""
         self._pages.free(pages)
+        self._preempted.freed(pages)
 
     # -- backup / restore ------------------------------------------------------
     def backup_state(self) -> AllocatorState:
@@ -474,7 +475,7 @@ class KVPoolTokenAllocator(LenderGates):
         self._check_open()
         if not isinstance(state, AllocatorState) or state.owner != self._uid:
             raise ValueError(f"{state!r} is not a backup of this allocator")
-        self._pages.restore(state.generation)
+        self._preempted.reused(self._pages.restore(state.generation))  # held again: no longer on their way back
 
     # -- safe points -------------------------------------------------------------
     def flush(self) -> int:

@@ -151,6 +151,7 @@ class _LimitsMixin:
         if self._closed:
             raise PoolClosed(f"manager {self.name!r} is closed")
         self.space.free_evicted(blocks)
+        self._log.info("budget.evicted")
         self._after_free()
 
     def _after_free(self) -> None:

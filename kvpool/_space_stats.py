@@ -90,7 +90,8 @@ class BudgetStats:
             tokens_recomputed=int(b.tokens_recomputed),
             reclaimed_by_completion_bytes=int(b.reclaimed_by_completion_bytes),
             reclaimed_by_preemption_bytes=int(b.reclaimed_by_preemption_bytes),
-            reclaimed_by_eviction_bytes=int(b.reclaimed_by_eviction_bytes), preempts=bool(b.preempts),
+            reclaimed_by_eviction_bytes=int(b.reclaimed_by_eviction_bytes),
+            preempts=bool(b.preempts),
         )
 
 

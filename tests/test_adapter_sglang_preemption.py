@@ -127,6 +127,28 @@ def test_a_lending_sglang_engines_dropped_prefix_cache_reaches_the_pool_as_an_ev
     assert (row.reclaimed_by_eviction_bytes, row.reclaimed_by_preemption_bytes) == (PAGE, PAGE)
 
 
+@pytest.mark.timeout(120)
+def test_an_eviction_is_marked_as_each_page_is_freed_nested_or_not_and_a_restore_takes_the_mark_back(
+        lending: Any) -> None:
+    a, waiter, running = lending
+    a.flush()
+    with a.evicting():
+        with a.evicting():  # (nested: the outer one still marks)
+            a.free(running.pop())
+        a.free(running.pop())
+    state = a.backup_state()
+    with a.evicting():
+        page = running.pop()
+        a.free(page)
+    a.restore_state(state)  # held again: not on its way back any more, so no longer the cache's
+    a.free(page)  # a completion this time
+    a.flush()
+    a.flush()
+    assert waiter.join() is not None
+    c = a.space.budget()
+    assert (c.reclaimed_by_eviction_bytes, c.reclaimed_by_completion_bytes) == (2 * PAGE, PAGE), c
+
+
 def test_a_retracted_page_sglang_takes_back_before_it_reaches_the_space_is_not_counted(
         make_alloc: MakeAlloc) -> None:
     a = make_alloc(1)

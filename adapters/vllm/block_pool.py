@@ -294,19 +294,21 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
         dropped = [self._evictable[i] for i in block_ids
                    if i in self._evictable and self._evictable[i].block_hash is None
                    and i not in self._reuse_watchers]
-        self._release_evictable(dropped)
+        self._release_evictable(dropped, cached=True)  # vLLM just dropped their hashes
 
     def reset_prefix_cache(self) -> bool:
         # vLLM's check ("every block but the null one is free") must count
         # virtual blocks: the pool may not back them all right now.
         queue = self.free_block_queue
         virtual, queue.virtual_count = queue.virtual_count, True
+        was_cached = {i for i, b in self._evictable.items() if b.block_hash is not None}  # the reset drops hashes
         try:
             if not super().reset_prefix_cache():
                 return False
         finally:
             queue.virtual_count = virtual
-        self._release_evictable(list(self._evictable.values()))
+        blocks = list(self._evictable.values())
+        self._release_evictable(blocks, cached=[b.block_id in was_cached for b in blocks])
         return True
 
     def on_step(self, num_waiting: int | None = None,
@@ -514,24 +516,28 @@ class KVPoolBlockPool(BlockPool):  # type: ignore[misc]
             self.space.report_waiting(waiting)
             queue.reported_waiting = waiting
 
-    def _release_evictable(self, blocks: list[Any]) -> None:
+    def _release_evictable(self, blocks: list[Any], cached: bool | list[bool] | None = None) -> None:
         """Drop cached contents and give the blocks back to the space: the prefix
-        cache's as an eviction (while lending, reclaimed by eviction, not by completion)."""
+        cache's as an eviction (while lending, reclaimed by eviction, not by completion).
+        ``cached``: which were the cache's, where vLLM already dropped their hashes
+        (default: those with a hash now)."""
         if not blocks:
             return
         if self._reuse_watchers:
             self._notify_reuse([b for b in blocks if b.block_id in self._reuse_watchers])
         ids = np.empty(len(blocks), dtype=np.int64)
-        cached = np.zeros(len(blocks), dtype=bool)
+        was = np.zeros(len(blocks), dtype=bool)
         for k, block in enumerate(blocks):
             self._evictable.pop(block.block_id)
-            cached[k] = block.block_hash is not None
+            was[k] = block.block_hash is not None
             self._maybe_evict_cached_block(block)
             ids[k] = block.block_id
-        if cached.any():
-            self.space.free_evicted(ids[cached])
-        if not cached.all():
-            self.space.free(ids[~cached])
+        if cached is not None:
+            was[:] = cached
+        if was.any():
+            self.space.free_evicted(ids[was])
+        if not was.all():
+            self.space.free(ids[~was])
 
     def reclaim_pages(self, max_pages: int) -> int:
         """Evict the cached blocks of up to ``max_pages`` pages that hold

@@ -44,6 +44,24 @@ def a_borrower_gives_cached_pages_back_while_a_tenant_below_its_guarantee_waits(
 
 
 @check
+def a_lenders_prefix_cache_reset_counts_as_eviction(name: str) -> None:
+    # vLLM's reset drops every hash before the plugin gives the blocks back: they still
+    # count as the cache's (reclaimed by eviction), not as requests finishing.
+    with block_pool(name, pages=4, caching=True) as p:
+        blocks = cache_and_free(p, 3 + 3 * PER_PAGE)  # the whole pool, all cached
+        with other_space(p) as other:
+            wait_below_guarantee(other, PER_PAGE)
+            p.on_step()
+            assert p.lending
+            held = p.num_evictable_blocks
+            assert p.reset_prefix_cache() and p.num_evictable_blocks == 0
+            b = p.space.budget()
+            assert b.reclaimed_by_eviction_bytes == len(blocks) * BLOCK, b
+            assert b.reclaimed_by_completion_bytes == 0 and held == len(blocks) - PER_PAGE, b
+            assert len(other.alloc(PER_PAGE)) == PER_PAGE
+
+
+@check
 def a_tenant_below_its_guarantee_keeps_its_cache_when_another_waits(name: str) -> None:
     with block_pool(name, pages=N // PER_PAGE, caching=True) as p:
         cache_and_free(p, 3 + 2 * PER_PAGE)  # 3 pages of a 16-page pool: below its 8-page guarantee
